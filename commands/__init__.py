@@ -1,0 +1,1 @@
+"""Thin Typer adapters over the mlxb library (installed as ``mlxb.commands``)."""

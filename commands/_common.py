@@ -1,0 +1,49 @@
+"""Shared CLI pieces: option aliases, the console, and the one place errors are formatted."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from mlxb.errors import MlxbError
+
+console = Console()
+err_console = Console(stderr=True)
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="Preset (tiny-llama, ...), alias, local mlx-lm folder or HF id. Default: tiny-llama."),
+]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="float32 | bfloat16 | float16 (presets default to their own).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")]
+
+
+def cli_errors(fn):
+    """Format user errors once: a red message that says what to do next, exit status 2.
+
+    ``MLXB_DEBUG=1`` re-raises so the traceback shows.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except MlxbError as e:
+            if os.environ.get("MLXB_DEBUG") == "1":
+                raise
+            err_console.print(f"[bold red]error:[/] {e.message}")
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            err_console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+def not_implemented(name: str, issue: str) -> None:
+    err_console.print(f"[bold red]error:[/] `mlxb {name}` is not implemented yet ({issue}); see `mlxb --help` for what works today")
+    raise typer.Exit(2)

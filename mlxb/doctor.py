@@ -1,0 +1,172 @@
+"""Machine facts for ``mlxb doctor``, golden machine keys and benchmark labels.
+
+On Linux the ``mlx[cpu]`` wheel bundles reference (netlib) BLAS. Measured on the 2-core x86_64
+machines this project is developed on, a 512x512x1536 fp32 matmul ran at 4.1 GFLOP/s with it and
+32.5 GFLOP/s with Debian's OpenBLAS preloaded (8x). The CLI therefore re-executes itself with
+OpenBLAS preloaded when the library is installed (``blas_preload_path``); ``MLXB_BLAS_PRELOAD=0``
+turns that off. BLAS changes numerics, so the machine key names the BLAS in use.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+OPENBLAS_CANDIDATES = [
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+]
+
+
+def blas_preload_path() -> str | None:
+    """The OpenBLAS to preload on Linux, or None (not Linux, not installed, or disabled)."""
+    if sys.platform != "linux" or os.environ.get("MLXB_BLAS_PRELOAD", "1") == "0":
+        return None
+    for p in OPENBLAS_CANDIDATES:
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def loaded_blas() -> str:
+    """Name of the BLAS library mapped into this process (after mlx is imported)."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    libs = []
+    try:
+        for line in open("/proc/self/maps"):
+            path = line.split()[-1]
+            if "blas" in path.lower() and ".so" in path:
+                libs.append(path)
+    except OSError:
+        return "unknown"
+    if any("openblas" in p for p in libs):
+        return "openblas"
+    if any("mlx_cpu.libs" in p for p in libs):
+        return "netlib"
+    return os.path.basename(libs[0]) if libs else "none"
+
+
+def cpu_model() -> str:
+    if sys.platform == "darwin":
+        import subprocess
+
+        try:
+            return subprocess.check_output(["sysctl", "-n", "machdep.cpu.brand_string"], text=True).strip()
+        except Exception:
+            return platform.processor() or "apple"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _slug(s: str) -> str:
+    s = re.sub(r"\(r\)|\(tm\)|cpu|processor|@.*$", "", s.lower())
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-")[:40] or "unknown"
+
+
+def device_info() -> dict:
+    import mlx.core as mx
+
+    dev = mx.default_device()
+    info = {"device": str(dev), "backend": "cpu"}
+    if dev.type == mx.gpu:
+        if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+            info["backend"] = "cuda"
+        elif mx.metal.is_available():
+            info["backend"] = "metal"
+        try:
+            di = mx.device_info()
+            info["gpu_name"] = di.get("device_name") or di.get("architecture", "")
+        except Exception:
+            pass
+    return info
+
+
+def machine_key() -> str:
+    """Key under which this machine's goldens live, e.g. ``cpu-x86_64-intel-xeon-netlib``."""
+    dev = device_info()
+    if dev["backend"] == "cuda":
+        return "cuda-" + _slug(dev.get("gpu_name", "gpu")).replace("nvidia-", "")
+    if dev["backend"] == "metal":
+        return "apple-" + _slug(cpu_model()).replace("apple-", "")
+    return f"cpu-{platform.machine()}-{_slug(cpu_model())}-{loaded_blas()}"
+
+
+def matmul_gflops(m: int = 512, k: int = 1536, n: int = 512, reps: int = 10) -> float:
+    import mlx.core as mx
+
+    a = mx.random.normal((m, k))
+    b = mx.random.normal((k, n))
+    mx.eval(a, b)
+    for _ in range(2):
+        mx.eval(a @ b)
+    t = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(a @ b)
+    return 2 * m * k * n / ((time.perf_counter() - t) / reps) / 1e9
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("mlx", "mlx-lm", "mlxb", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def report(measure: bool = True) -> dict:
+    """Everything ``mlxb doctor`` prints, as data."""
+    import mlx.core as mx  # noqa: F401  (loads the BLAS so loaded_blas can see it)
+
+    facts = {
+        "versions": versions(),
+        **device_info(),
+        "os": f"{platform.system()} {platform.release()}",
+        "arch": platform.machine(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_gb": round(memory_bytes() / 2**30, 1),
+        "blas": loaded_blas(),
+        "machine_key": machine_key(),
+        "mlxb_home": str(Path(os.environ.get("MLXB_HOME", "")) or ""),
+    }
+    from mlxb.models.synth import mlxb_home
+
+    facts["mlxb_home"] = str(mlxb_home())
+    if measure:
+        facts["matmul_gflops_512x1536x512_fp32"] = round(matmul_gflops(), 2)
+    advice = []
+    if facts["blas"] == "netlib":
+        candidate = next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
+        if candidate and os.environ.get("MLXB_BLAS_PRELOAD") == "0":
+            advice.append(f"OpenBLAS is installed but MLXB_BLAS_PRELOAD=0 keeps the slow netlib BLAS; unset it.")
+        elif candidate:
+            advice.append(f"netlib BLAS is loaded although OpenBLAS is installed; run through the `mlxb` CLI, or set LD_PRELOAD={candidate}")
+        else:
+            advice.append(
+                "MLX is using the bundled reference (netlib) BLAS, ~8x slower for matmuls here. Install OpenBLAS "
+                "(Debian/Ubuntu: apt-get install libopenblas0-pthread); the mlxb CLI then preloads it itself."
+            )
+    facts["advice"] = advice
+    return facts
