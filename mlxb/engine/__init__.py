@@ -1,1 +1,1 @@
-"""mlxb.engine"""
+"""The engine: gateway -> scheduler (pure) -> runner (the only model caller)."""

@@ -1,0 +1,148 @@
+"""One row-operation protocol for every cache layer kind.
+
+A layer's kind is read once from the model's prototype caches (``layer_kinds``); routing elsewhere
+goes through ``ROW_OPS[kind]``, never through class-name checks scattered in the engine.
+
+Row operations (all on mlx-lm caches; batch caches are left-padded, see ``BatchKVCache``):
+
+* ``to_batch(solos)``   merge single-row caches into one batch cache (rows in order)
+* ``join(batch, solo)`` add one row at the end: full/latent/ssm extend (pad + one batch-axis
+  concat, running rows untouched); rotating re-merges every row's temporal view, which is safe
+  across ring wraps. ``join_full="merge"`` re-merges full layers instead (a different pad layout,
+  so it has its own parity case).
+* ``filter(batch, keep)`` keep rows in order (in place); full layers drop left padding shared by
+  every survivor, exactly as mlx-lm's ``BatchKVCache.filter`` does.
+* ``extract(batch, i)`` one row back as a single cache with the solo run's bytes.
+* ``nbytes(cache)``     bytes held now.
+
+The single-row (adopted) caches are KVCache / RotatingKVCache / ArraysCache: a row alone in the
+batch keeps them, so a B=1 step is the serial graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+)
+
+from mlxb.engine.outputs import KVProjection, LayerBytes
+
+LATENT_MODEL_TYPES = {"glm4_moe_lite", "deepseek_v2", "deepseek_v3", "kimi_k2"}
+
+
+def layer_kind(cache, latent: bool = False) -> Optional[str]:
+    """Capability-based kind of one layer cache; None means not batchable."""
+    if isinstance(cache, (KVCache, BatchKVCache)) and type(cache) in (KVCache, BatchKVCache):
+        return "latent" if latent else "full"
+    if isinstance(cache, (RotatingKVCache, BatchRotatingKVCache)):
+        return "rotating"
+    if isinstance(cache, ArraysCache):
+        return "ssm"
+    return None
+
+
+def layer_kinds(model) -> list[Optional[str]]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    latent = getattr(getattr(model, "args", None), "model_type", None) in LATENT_MODEL_TYPES
+    return [layer_kind(c, latent) for c in make_prompt_cache(model)]
+
+
+class _Full:
+    batch_cls = BatchKVCache
+
+    def to_batch(self, solos):
+        return BatchKVCache.merge(solos)
+
+    def join(self, batch, solo, mode: str = "extend"):
+        if mode == "merge":
+            rows = [batch.extract(i) for i in range(batch.offset.shape[0])]
+            return BatchKVCache.merge(rows + [solo])
+        batch.extend(BatchKVCache.merge([solo]))
+        return batch
+
+    def filter(self, batch, keep, trim_padding: bool = True):
+        if trim_padding:
+            batch.filter(keep)
+            return batch
+        # NOTE: only the parity negative control takes this branch (planted bug).
+        idx = keep
+        if batch.keys is not None:
+            batch.keys, batch.values = batch.keys[idx], batch.values[idx]
+        batch.offset, batch.left_padding = batch.offset[idx], batch.left_padding[idx]
+        return batch
+
+    def extract(self, batch, i):
+        return batch.extract(i)
+
+
+class _Rotating(_Full):
+    batch_cls = BatchRotatingKVCache
+
+    def to_batch(self, solos):
+        return BatchRotatingKVCache.merge(solos)
+
+    def join(self, batch, solo, mode: str = "merge"):
+        if mode == "extend":
+            batch.extend(BatchRotatingKVCache.merge([solo]))
+            return batch
+        rows = [batch.extract(i) for i in range(batch.offset.shape[0])]
+        return BatchRotatingKVCache.merge(rows + [solo])
+
+    def filter(self, batch, keep, trim_padding: bool = True):
+        batch.filter(keep)
+        return batch
+
+
+class _SSM:
+    batch_cls = ArraysCache
+
+    def to_batch(self, solos):
+        return ArraysCache.merge(solos)
+
+    def join(self, batch, solo, mode: str = "extend"):
+        batch.extend(ArraysCache.merge([solo]))
+        return batch
+
+    def filter(self, batch, keep, trim_padding: bool = True):
+        batch.filter(keep)
+        return batch
+
+    def extract(self, batch, i):
+        return batch.extract(i)
+
+
+ROW_OPS = {"full": _Full(), "latent": _Full(), "rotating": _Rotating(), "ssm": _SSM()}
+DEFAULT_JOIN = {"full": "extend", "latent": "extend", "rotating": "merge", "ssm": "extend"}
+
+
+def nbytes(cache) -> int:
+    try:
+        return int(cache.nbytes)
+    except Exception:
+        return 0
+
+
+def kv_projection(model, kinds: list[Optional[str]]) -> KVProjection:
+    """Per-layer KV bytes measured from one real 1-token forward (dtype and head shapes included)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=caches)
+    mx.eval([c.state for c in caches])
+    layers = []
+    for c, kind in zip(caches, kinds):
+        if kind in ("full", "latent", "rotating"):
+            per_tok = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+            window = c.max_size if kind == "rotating" else None
+            layers.append(LayerBytes(kind, per_tok, window))
+        elif kind == "ssm":
+            layers.append(LayerBytes(kind, 0, None, sum(a.nbytes for a in c.cache if a is not None)))
+    return KVProjection(tuple(layers))

@@ -1,0 +1,355 @@
+"""The engine thread: owns every MLX call; runs the serial mechanism and the continuous batch.
+
+Callers (the gateway, on any thread or event loop) hand requests in through a thread-safe inbox
+and read results from per-request ``OutputStream``s. One lock (``device_lock``) is the single
+exclusion domain for the device: the engine holds it for each batch iteration and for a whole
+serial request. A waiting serial request holds admission; running rows finish; then the serial
+request runs and admission resumes (drain, never starve).
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from mlxb.cache.protocol import kv_projection, layer_kinds
+from mlxb.engine.runner import Emitted, Row, Runner
+from mlxb.engine.sampler import RowSampler
+from mlxb.engine.scheduler import Scheduler
+from mlxb.engine.stop import StopMatcher
+from mlxb.engine.stream import OutputStream
+from mlxb.errors import EngineFailure, EngineUnavailableError
+from mlxb.request import FINISH_REASON, Request, RequestOutput, RequestStatus
+
+
+class _Live:
+    """Per-request delivery state kept on the engine thread."""
+
+    def __init__(self, req: Request, stream: OutputStream, detok):
+        self.req, self.stream, self.detok = req, stream, detok
+        self.stop = StopMatcher(req.stop)
+        self.cancelled = False
+        self.row: Optional[Row] = None
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch: int = 8,
+        prefill_chunk: int = 2048,
+        kv_budget: Optional[int] = None,
+        context_limit: Optional[int] = None,
+        join_full: str = "extend",
+        capture: Optional[Callable] = None,
+        faults: frozenset = frozenset(),
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.kinds = layer_kinds(model)
+        self.batchable = all(k is not None for k in self.kinds)
+        self.projection = kv_projection(model, self.kinds) if self.batchable else None
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
+        self.scheduler = Scheduler(
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+            context_limit=context_limit,
+            kv_budget=kv_budget,
+            row_bytes=self.projection.row_bytes if self.projection else (lambda n: 0),
+        )
+        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults,
+                             special_tokens=sorted(self.eos_ids))
+        self.device_lock = threading.Lock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._serial: deque[_Live] = deque()
+        self._live: dict[str, _Live] = {}
+        self._stop = threading.Event()
+        self.fatal: Optional[BaseException] = None
+        self.last_beat = time.monotonic()
+        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0}
+        self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
+
+    # ---- caller side -----------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        if self.max_batch <= 1:
+            return "off"
+        return "batch" if self.batchable else "serial"
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def check_admissible(self, req: Request) -> None:
+        """Raise now (on the caller's thread) if ``req`` can never run."""
+        self.scheduler.check(req)  # reads immutable limits only
+
+    def submit(self, req: Request, stream: OutputStream) -> None:
+        if not self.alive:
+            raise EngineUnavailableError("the engine thread is not running; restart the server")
+        self.check_admissible(req)
+        self._inbox.put(("submit", req, stream))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id, None))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    def kill_for_test(self) -> None:
+        """Make the engine thread die as a crash would (used to test /health)."""
+        self._inbox.put(("die", None, None))
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "configured": self.max_batch,
+            "mode": self.mode,
+            "batched": self.runner.merged,
+            "active_rows": len(s.running) + (1 if s.prefilling else 0),
+            "pending_rows": len(s.waiting) + len(self._serial),
+            "submitted_rows": s.num_submitted,
+            "kv_bytes": self.runner.kv_bytes,
+            "kv_projected_bytes": s.used_bytes,
+            "kv_budget_bytes": s.kv_budget,
+            **self.counters,
+        }
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.last_beat = time.monotonic()
+                busy = self.scheduler.has_work() or (self._serial and self.scheduler.is_idle)
+                self._drain_inbox(block=not busy)
+                self._apply_cancels()
+                if self._serial and self.scheduler.is_idle:
+                    self._run_serial(self._serial.popleft())
+                    continue
+                self.scheduler.hold_admission = bool(self._serial)
+                out = self.scheduler.schedule()
+                if out.is_empty:
+                    continue
+                with self.device_lock:
+                    self._iteration(out)
+        except BaseException as e:  # the thread is dying: make it visible and fail everyone
+            self.fatal = e
+            for live in list(self._live.values()):
+                self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
+            raise
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, a, b = item
+            if kind == "submit":
+                self._accept(a, b)
+            elif kind == "cancel":
+                live = self._live.get(a)
+                if live is not None:
+                    live.cancelled = True
+            elif kind == "die":
+                raise RuntimeError("engine killed for test")
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _accept(self, req: Request, stream: OutputStream) -> None:
+        detok = copy.copy(self.tokenizer._detokenizer)
+        detok.reset()
+        live = _Live(req, stream, detok)
+        self._live[req.request_id] = live
+        self.counters["requests"] += 1
+        if req.mechanism == "serial":
+            req.status = RequestStatus.SERIAL
+            self._serial.append(live)
+            self.scheduler.num_submitted += 1
+        else:
+            self.scheduler.add(req)
+
+    def _apply_cancels(self) -> None:
+        cancelled = [lv for lv in self._live.values() if lv.cancelled]
+        if not cancelled:
+            return
+        ids = {lv.req.request_id for lv in cancelled}
+        for lv in cancelled:
+            if lv in self._serial:
+                self._serial.remove(lv)
+                self._finish(lv, RequestStatus.FINISHED_ABORTED)
+            elif lv.req.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
+                self.scheduler.on_finished(lv.req.request_id, RequestStatus.FINISHED_ABORTED)
+                self._finish(lv, RequestStatus.FINISHED_ABORTED)
+        keep = [i for i, r in enumerate(self.runner.rows) if r.req.request_id not in ids]
+        if len(keep) < len(self.runner.rows):
+            gone = [r for r in self.runner.rows if r.req.request_id in ids]
+            self.runner.filter(keep)
+            for r in gone:
+                self.scheduler.on_finished(r.req.request_id, RequestStatus.FINISHED_ABORTED)
+                self._finish(self._live[r.req.request_id], RequestStatus.FINISHED_ABORTED)
+
+    def _iteration(self, out) -> None:
+        s, r = self.scheduler, self.runner
+        for rid in out.admitted:
+            live = self._live[rid]
+            live.req.timings.admitted = time.perf_counter()
+            live.row = r.new_row(live.req)
+        if out.prefill is not None:
+            self._prefill(out.prefill)
+        if out.decode and r.rows:
+            try:
+                emitted = r.decode_step()
+            except Exception as e:  # cannot be attributed to a row: the whole batch fails
+                failed = [row.req.request_id for row in r.rows]
+                r.drop_all()
+                for rid in failed:
+                    s.on_finished(rid, RequestStatus.FINISHED_ERROR)
+                    self._finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
+                mx.clear_cache()
+                return
+            self.counters["steps"] += 1
+            if len(r.rows) > 1:
+                self.counters["batched_steps"] += 1
+            done: dict[str, RequestStatus] = {}
+            for em in emitted:
+                status = self._deliver(em)
+                if status is not None:
+                    done[em.row.req.request_id] = status
+            if done:
+                keep = [i for i, row in enumerate(r.rows) if row.req.request_id not in done]
+                r.filter(keep)
+                for rid, status in done.items():
+                    s.on_finished(rid, status)
+
+    def _prefill(self, chunk) -> None:
+        live = self._live[chunk.request_id]
+        row = live.row
+        try:
+            self.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
+            self.scheduler.on_prefill_chunk(chunk)
+            if not chunk.is_last:
+                return
+            em = self.runner.first_token(row)
+        except Exception as e:  # a prefill error rejects only the joiner
+            self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
+            self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+            return
+        live.req.timings.prefill_done = time.perf_counter()
+        status = self._deliver(em)
+        if status is None:
+            self.runner.join(row, em.token)
+            self.scheduler.on_joined(chunk.request_id)
+        else:  # finished at token 0: never joins
+            self.scheduler.on_finished(chunk.request_id, status)
+
+    def _run_serial(self, live: _Live) -> None:
+        """The strict serial mechanism: mlx-lm's generate_step on plain single-row caches."""
+        from mlx_lm.generate import generate_step
+
+        req = live.req
+        self.counters["serial_requests"] += 1
+        req.timings.admitted = time.perf_counter()
+        with self.device_lock:
+            row = Row(req, RowSampler(req.sampling, self.runner.special_tokens))
+            try:
+                gen = generate_step(
+                    mx.array(req.prompt_ids, dtype=mx.uint32),
+                    self.model,
+                    max_tokens=req.max_tokens,
+                    sampler=row.sampler.sample,
+                    logits_processors=row.sampler.processors or None,
+                    prefill_step_size=self.prefill_chunk,
+                )
+                for tok, logprobs in gen:
+                    if row.steps == 0:
+                        req.timings.prefill_done = time.perf_counter()
+                    self._drain_inbox(block=False)
+                    if live.cancelled:
+                        self._finish(live, RequestStatus.FINISHED_ABORTED)
+                        break
+                    self.counters["steps"] += 1
+                    em = self.runner._emit(row, int(tok), logprobs[None] if self._wants_vec(req) else None)
+                    if self._deliver(em) is not None:
+                        break
+            except Exception as e:
+                self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
+        self._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
+
+    def _wants_vec(self, req: Request) -> bool:
+        return self.runner.capture is not None or req.sampling.logprobs or req.sampling.top_logprobs > 0
+
+    # ---- delivery --------------------------------------------------------------------------
+    def _deliver(self, em: Emitted) -> Optional[RequestStatus]:
+        """Turn one sampled token into output; return a finished status if the row ends here."""
+        live = self._live[em.row.req.request_id]
+        req = live.req
+        if req.timings.first_token is None:
+            req.timings.first_token = time.perf_counter()
+        self.counters["tokens"] += 1
+        if em.token in self.eos_ids:
+            return self._finish(live, RequestStatus.FINISHED_STOPPED)
+        req.num_generated += 1
+        live.detok.add_token(em.token)
+        status = None
+        if req.num_generated >= req.max_tokens:
+            live.detok.finalize()
+            status = RequestStatus.FINISHED_LENGTH
+        text, hit = live.stop.feed(live.detok.last_segment)
+        if hit:
+            status = RequestStatus.FINISHED_STOPPED
+        elif status is not None:
+            text += live.stop.flush()
+        out = RequestOutput(req.request_id, em.token, text, em.logprob)
+        if status is not None:
+            return self._finish(live, status, last=out)
+        if not self._send(live, out):
+            return self._finish(live, RequestStatus.FINISHED_ABORTED)
+        return None
+
+    def _send(self, live: _Live, out: RequestOutput) -> bool:
+        live.stream.put(out)
+        if live.req.on_output is not None:
+            try:
+                live.req.on_output(out)
+            except Exception:  # a consumer that raises evicts only its own row
+                return False
+        return True
+
+    def _finish(self, live: _Live, status: RequestStatus, last: Optional[RequestOutput] = None,
+                error: Optional[Exception] = None) -> RequestStatus:
+        req = live.req
+        req.status = status
+        req.timings.finished = time.perf_counter()
+        if req.timings.first_token is None:
+            req.timings.first_token = req.timings.finished
+        out = last or RequestOutput(req.request_id, None, "")
+        out.finish_reason = FINISH_REASON[status]
+        out.error = error
+        out.usage = {
+            "prompt_tokens": req.num_prompt_tokens,
+            "completion_tokens": req.num_generated,
+            "total_tokens": req.num_prompt_tokens + req.num_generated,
+            "cached_tokens": req.cached_tokens,
+        }
+        out.timings = req.timings.as_dict(req.num_generated)
+        self._send(live, out)
+        self._live.pop(req.request_id, None)
+        return status

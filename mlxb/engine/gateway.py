@@ -1,0 +1,176 @@
+"""The gateway: validates, tokenizes and places each request, then streams results back.
+
+Placement is by capability only: ``continuous`` iff the concurrency cap is above 1, every cache
+layer of the model has a row-operation implementation, and the request uses only features the
+continuous mechanism implements (today: all of them, sampling, seeds and logprobs included).
+Otherwise ``serial``. ``--batch 1`` is therefore the strict serial path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from mlxb.engine.engine import Engine
+from mlxb.engine.stream import OutputStream
+from mlxb.errors import ValidationError
+from mlxb.request import Request, SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+_ids = itertools.count(1)
+
+
+@dataclass
+class GenerationInput:
+    """What a caller asks for, before validation (server and CLI build this)."""
+
+    messages: Optional[list[dict]] = None
+    prompt: Optional[str] = None
+    prompt_ids: Optional[list[int]] = None
+    max_tokens: Optional[int] = None
+    sampling: Optional[SamplingParams] = None
+    stop: Optional[list[str]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    request_id: Optional[str] = None
+
+
+class Gateway:
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str, default_max_tokens: int = 512,
+                 chat_template: Optional[str] = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.chat_template = chat_template
+        self.vocab_size = _vocab_size(engine.model, tokenizer)
+
+    # ---- validation ------------------------------------------------------------------------
+    def validate_sampling(self, p: SamplingParams) -> None:
+        def bad(param, msg):
+            raise ValidationError(f"{param}: {msg}", param=param)
+
+        for name in ("temperature", "top_p", "min_p", "xtc_probability", "xtc_threshold"):
+            v = getattr(p, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        if p.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < p.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= p.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not isinstance(p.top_k, int) or p.top_k < 0:
+            bad("top_k", "must be an integer >= 0")
+        if not 0 <= p.xtc_probability <= 1:
+            bad("xtc_probability", "must be in [0, 1]")
+        if not 0 <= p.xtc_threshold <= 0.5:
+            bad("xtc_threshold", "must be in [0, 0.5]")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(p, name)
+            if v is not None and (not isinstance(v, (int, float)) or not math.isfinite(v)):
+                bad(name, "must be a finite number")
+        if p.repetition_penalty is not None and p.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            v = getattr(p, name)
+            if not isinstance(v, int) or v < 1:
+                bad(name, "must be an integer >= 1")
+        if p.logit_bias:
+            for k, v in p.logit_bias.items():
+                if not isinstance(k, int) or not 0 <= k < self.vocab_size:
+                    bad("logit_bias", f"token id {k!r} is outside the vocabulary [0, {self.vocab_size})")
+                if not isinstance(v, (int, float)) or not math.isfinite(v):
+                    bad("logit_bias", f"bias for token {k} must be a finite number")
+        if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool)):
+            bad("seed", "must be an integer")
+        if not isinstance(p.top_logprobs, int) or not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+
+    def tokenize(self, inp: GenerationInput) -> list[int]:
+        given = [x is not None for x in (inp.messages, inp.prompt, inp.prompt_ids)]
+        if sum(given) != 1:
+            raise ValidationError("give exactly one of messages, prompt or prompt token ids", param="messages")
+        if inp.prompt_ids is not None:
+            ids = list(inp.prompt_ids)
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValidationError(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
+        elif inp.prompt is not None:
+            if not isinstance(inp.prompt, str):
+                raise ValidationError("prompt must be a string", param="prompt")
+            ids = self.tokenizer.encode(inp.prompt)
+        else:
+            msgs = inp.messages
+            if not isinstance(msgs, list) or not msgs:
+                raise ValidationError("messages must be a non-empty list", param="messages")
+            for i, m in enumerate(msgs):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                    raise ValidationError(f"messages[{i}] needs a string 'role'", param=f"messages[{i}].role")
+                if not isinstance(m.get("content", ""), (str, list)) and m.get("content") is not None:
+                    raise ValidationError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+                if isinstance(m.get("content"), list):
+                    parts = m["content"]
+                    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+                        raise ValidationError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+                    m = dict(m, content="".join(p.get("text", "") for p in parts))
+                    msgs[i] = m
+            kwargs = dict(inp.chat_template_kwargs or {})
+            if self.chat_template:
+                kwargs["chat_template"] = self.chat_template
+            try:
+                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
+            except Exception as e:
+                raise ValidationError(f"the chat template failed on these messages: {e}", param="messages") from None
+        if not ids:
+            raise ValidationError("the prompt is empty after tokenization", param="prompt")
+        return list(ids)
+
+    def build(self, inp: GenerationInput) -> Request:
+        sampling = inp.sampling or SamplingParams()
+        self.validate_sampling(sampling)
+        max_tokens = self.default_max_tokens if inp.max_tokens is None else inp.max_tokens
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValidationError("max_tokens must be an integer >= 1", param="max_tokens")
+        stop = inp.stop or []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
+            raise ValidationError("stop must be a string or a list of at most 16 strings", param="stop")
+        ids = self.tokenize(inp)
+        req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop)
+        req.mechanism = self.place(req)
+        self.engine.check_admissible(req)
+        return req
+
+    def place(self, req: Request) -> str:
+        # NOTE: placement reads capability only; sampling features never force the serial path.
+        if self.engine.max_batch > 1 and self.engine.batchable:
+            return "continuous"
+        return "serial"
+
+    # ---- submission ------------------------------------------------------------------------
+    def submit(self, inp: GenerationInput | Request, loop: Optional[asyncio.AbstractEventLoop] = None) -> tuple[Request, OutputStream]:
+        req = inp if isinstance(inp, Request) else self.build(inp)
+        stream = OutputStream(req.request_id, loop)
+        self.engine.submit(req, stream)
+        return req, stream
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+
+
+def _vocab_size(model, tokenizer) -> int:
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    if v is None and hasattr(args, "text_config"):
+        v = args.text_config.get("vocab_size") if isinstance(args.text_config, dict) else None
+    return int(v or len(tokenizer.vocab))
+
+
+def context_limit(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    v = getattr(args, "max_position_embeddings", None)
+    if v is None and hasattr(args, "text_config") and isinstance(args.text_config, dict):
+        v = args.text_config.get("max_position_embeddings")
+    return int(v) if v else None

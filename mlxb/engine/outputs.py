@@ -1,0 +1,51 @@
+"""Plain records crossing the scheduler/runner boundary (no tensors, no mlx)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """KV bytes of one cache layer: grows per token (capped at ``window``) plus a fixed part."""
+
+    kind: str  # "full" | "rotating" | "ssm" | "latent"
+    bytes_per_token: int = 0
+    window: Optional[int] = None  # sliding-window cap on tokens held
+    fixed_bytes: int = 0  # state that does not grow (SSM)
+
+
+@dataclass(frozen=True)
+class KVProjection:
+    """Worst-case KV bytes of one row, per layer kind and dtype, window-capped for sliding layers."""
+
+    layers: tuple[LayerBytes, ...]
+
+    def row_bytes(self, num_tokens: int) -> int:
+        total = 0
+        for layer in self.layers:
+            n = num_tokens if layer.window is None else min(num_tokens, layer.window)
+            total += n * layer.bytes_per_token + layer.fixed_bytes
+        return total
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request_id: str
+    start: int  # first prompt position fed in this chunk
+    end: int  # one past the last position fed (never the last prompt token)
+    is_last: bool  # after this chunk the runner feeds the held-back last token and samples token 0
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner does this iteration: at most one prefill chunk, then one decode step."""
+
+    prefill: Optional[PrefillChunk] = None
+    decode: bool = False  # one decode step over every running row
+    admitted: list[str] = field(default_factory=list)  # requests that started prefill this iteration
+
+    @property
+    def is_empty(self) -> bool:
+        return self.prefill is None and not self.decode

@@ -1,0 +1,201 @@
+"""The runner: the only code that calls the model and touches cache arrays.
+
+It executes the scheduler's decisions on one running batch:
+
+* ``prefill_chunk`` feeds a joiner's prompt alone, on its own single-row caches. A prefill chunk
+  is evaluated through the cache state only, so MLX never computes the LM head over the chunk
+  (no ``[1, L, V]`` logits exist); the held-back last prompt token then runs as an L=1 step
+  whose logits give token 0, sampled on the solo caches.
+* ``join`` adopts a row into an empty batch as-is, otherwise joins per layer kind through
+  ``mlxb.cache.protocol.ROW_OPS``.
+* ``decode_step`` is pipelined like mlx-lm's ``GenerationBatch``: it builds and launches step
+  t+1 from the unread token register, then reads step t's tokens as integers.
+* ``filter`` retires rows (the extra lookahead KV write of a finished row is dropped with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
+from mlxb.engine.sampler import RowSampler
+from mlxb.request import Request, TokenLogprob
+
+# test-only planted bugs for the parity negative controls; never reachable from the server
+FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token")
+
+
+@dataclass
+class Row:
+    req: Request
+    sampler: RowSampler
+    solo: list = field(default_factory=list)  # single-row caches during prefill
+    context: Optional[mx.array] = None  # token history for penalty processors
+    steps: int = 0  # tokens sampled so far (token 0 included)
+
+
+@dataclass
+class Emitted:
+    row: Row
+    token: int
+    logprob: Optional[TokenLogprob]
+
+
+class Runner:
+    def __init__(
+        self,
+        model,
+        kinds: list[str],
+        *,
+        join_full: str = "extend",
+        capture: Optional[Callable[[str, int, int, np.ndarray], None]] = None,
+        faults: frozenset = frozenset(),
+        special_tokens: Optional[list[int]] = None,
+    ):
+        self.model = model
+        self.kinds = kinds
+        self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
+        self.capture = capture
+        self.faults = faults
+        self.special_tokens = special_tokens or []
+        self.rows: list[Row] = []
+        self.caches: Optional[list] = None
+        self.merged = False  # True once caches are batch caches
+        self.register: Optional[mx.array] = None  # [B] inputs of the next step
+        self.pending: list = []  # per row: logprobs of the unread register token, or None if emitted
+        self.num_steps = 0
+
+    # ---- prefill ---------------------------------------------------------------------------
+    def new_row(self, req: Request) -> Row:
+        row = Row(req, RowSampler(req.sampling, self.special_tokens), make_prompt_cache(self.model))
+        if row.sampler.processors:
+            row.context = mx.array(req.prompt_ids[:-1], dtype=mx.uint32)
+        return row
+
+    def prefill_chunk(self, row: Row, start: int, end: int, is_last: bool) -> None:
+        ids = row.req.prompt_ids
+        if is_last and "double_last_token" in self.faults:
+            end = len(ids)  # planted bug: the held-back token is fed here and again below
+        if end > start:
+            self.model(mx.array(ids[start:end])[None], cache=row.solo)
+            mx.eval([c.state for c in row.solo])
+            mx.clear_cache()
+
+    def first_token(self, row: Row) -> Emitted:
+        """Feed the held-back last prompt token (L=1) and sample token 0 on the solo caches."""
+        last = mx.array(row.req.prompt_ids[-1:], dtype=mx.uint32)
+        logits = self.model(last[None], cache=row.solo)[:, -1, :]
+        if row.context is not None:
+            row.context = mx.concatenate([row.context, last])
+        tok, lp = row.sampler(row.context, logits)
+        mx.eval(tok, lp)
+        return self._emit(row, int(tok.item()), lp)
+
+    def _emit(self, row: Row, token: int, logprobs: Optional[mx.array]) -> Emitted:
+        step = row.steps
+        row.steps += 1
+        info = None
+        if logprobs is not None:
+            need_vec = self.capture is not None or row.req.sampling.top_logprobs > 0
+            if need_vec:
+                vec = np.array(logprobs.reshape(-1).astype(mx.float32))
+                if self.capture is not None:
+                    self.capture(row.req.request_id, step, token, vec)
+                if row.req.sampling.logprobs or row.req.sampling.top_logprobs:
+                    k = row.req.sampling.top_logprobs
+                    top = np.argsort(-vec, kind="stable")[:k] if k else []
+                    info = TokenLogprob(token, float(vec[token]), [(int(t), float(vec[t])) for t in top])
+            elif row.req.sampling.logprobs:
+                info = TokenLogprob(token, float(logprobs.reshape(-1)[token].item()))
+        return Emitted(row, token, info)
+
+    # ---- join ------------------------------------------------------------------------------
+    def join(self, row: Row, token0: int) -> None:
+        tok = mx.array([token0], dtype=mx.uint32)
+        if not self.rows:
+            self.caches, self.merged = row.solo, False  # adopt: the B=1 step is the serial graph
+            self.register = tok
+        else:
+            if not self.merged:
+                self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self.caches)]
+                self.merged = True
+            self.caches = [
+                ROW_OPS[k].join(b, s, self.join_mode[k]) for k, b, s in zip(self.kinds, self.caches, row.solo)
+            ]
+            self.register = mx.concatenate([self.register, tok])
+        row.solo = []
+        self.rows.append(row)
+        self.pending.append(None)
+
+    # ---- decode ----------------------------------------------------------------------------
+    def _needs_vectors(self, row: Row) -> bool:
+        return self.capture is not None or not row.req.sampling.is_plain_greedy
+
+    def decode_step(self) -> list[Emitted]:
+        inputs = self.register
+        if "scalar_rope" in self.faults and self.merged:
+            for c in self.caches:  # planted bug: one RoPE offset for every row
+                if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
+                    c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
+        logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        rows = self.rows
+        if all(r.req.sampling.is_plain_greedy for r in rows):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            sampled = mx.argmax(logprobs, axis=-1)
+            new_pending = [logprobs[i : i + 1] for i in range(len(rows))] if self.capture else [True] * len(rows)
+        else:
+            toks, new_pending = [], []
+            for i, r in enumerate(rows):
+                if r.context is not None:
+                    r.context = mx.concatenate([r.context, inputs[i : i + 1]])
+                t, lp = r.sampler(r.context, logits[i : i + 1])
+                toks.append(t.reshape(1))
+                new_pending.append(lp if self._needs_vectors(r) else True)
+            sampled = mx.concatenate(toks)
+        mx.async_eval(sampled, [p for p in new_pending if p is not True])
+        prev = self.pending
+        self.register, self.pending = sampled, new_pending
+        self.num_steps += 1
+        if self.num_steps % 256 == 0:
+            mx.clear_cache()
+        if not any(p is not None for p in prev):
+            return []
+        values = inputs.tolist()
+        return [
+            self._emit(r, values[i], None if p is True else p) for i, (r, p) in enumerate(zip(rows, prev)) if p is not None
+        ]
+
+    # ---- retire ----------------------------------------------------------------------------
+    def filter(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (batch indices, in order)."""
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.drop_all()
+            return
+        if self.merged:
+            trim = "no_filter_trim" not in self.faults
+            self.caches = [ROW_OPS[k].filter(c, keep, trim) for k, c in zip(self.kinds, self.caches)]
+        else:
+            assert keep == [0]
+        idx = mx.array(keep)
+        self.register = self.register[idx]
+        self.rows = [self.rows[i] for i in keep]
+        self.pending = [self.pending[i] for i in keep]
+
+    def drop_all(self) -> None:
+        self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(nbytes(c) for c in self.caches) if self.caches else 0
+
+
+def logits_hash(vec: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(vec, dtype=np.float32).tobytes()).hexdigest()

@@ -1,0 +1,73 @@
+"""Per-row sampling: processors, log-softmax, filters and a keyed categorical draw.
+
+Filter order and math follow mlx-lm's ``make_sampler`` (top_p, min_p, XTC, top_k, then a
+categorical draw at ``1/temp``), so greedy rows are bit-identical to mlx-lm. The difference is the
+random key: a row with a seed draws from its own key stream (split once per step), independent of
+its siblings and of arrival order; a row without one gets a fresh key from a process counter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from mlxb.request import SamplingParams
+
+_unseeded = itertools.count((int(time.time_ns()) ^ os.getpid()) & 0x7FFFFFFF)
+
+
+class RowSampler:
+    def __init__(self, params: SamplingParams, special_tokens: list[int] | None = None):
+        self.params = params
+        p = params
+        self.processors = make_logits_processors(
+            p.logit_bias, p.repetition_penalty, p.repetition_context_size, p.presence_penalty,
+            p.presence_context_size, p.frequency_penalty, p.frequency_context_size,
+        )
+        self.greedy = p.temperature == 0
+        seed = p.seed if p.seed is not None else next(_unseeded)
+        self._key = mx.random.key(seed & 0xFFFFFFFF)
+        self._special = list(special_tokens or [])
+
+    def next_key(self) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def process(self, context: mx.array | None, logits: mx.array) -> mx.array:
+        for proc in self.processors:
+            logits = proc(context, logits)
+        return logits
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """``logprobs``: [1, V] (already processed and normalized). Returns [1] token ids."""
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        p = self.params
+        x = logprobs
+        if 0 < p.top_p < 1.0:
+            x = apply_top_p(x, p.top_p)
+        if p.min_p != 0.0:
+            x = apply_min_p(x, p.min_p, p.min_tokens_to_keep)
+        if p.xtc_probability > 0.0:
+            x = self._xtc(x)
+        if p.top_k > 0:
+            x = apply_top_k(x, p.top_k)
+        return mx.random.categorical(x * (1.0 / p.temperature), key=self.next_key())
+
+    def _xtc(self, logits: mx.array) -> mx.array:
+        p = self.params
+        probs = mx.softmax(logits, -1)
+        mask = probs > mx.where(probs > p.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+        if self._special:
+            mask[..., self._special] = False
+        draw = mx.random.uniform(0, 1, key=self.next_key())
+        return mx.where(draw > p.xtc_probability, logits, mx.where(mask, -mx.inf, logits))
+
+    def __call__(self, context: mx.array | None, logits: mx.array) -> tuple[mx.array, mx.array]:
+        logits = self.process(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return self.sample(logprobs), logprobs

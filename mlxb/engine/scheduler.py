@@ -1,0 +1,156 @@
+"""Iteration-level scheduler: admission, chunked joiner prefill, decode, retirement.
+
+Pure Python on plain data; it never imports mlx (a test proves it). The runner executes what
+``schedule()`` decides and reports back through ``on_*`` calls.
+
+Admission is FIFO and head-of-line: the oldest waiting request starts prefill when no other
+prefill is in flight, admission is not held by a serial waiter, the running rows are below the
+concurrency cap, and its worst-case KV bytes fit the budget. A request that can never fit (over
+the context limit, or over the budget alone) is rejected when it is added, never left to block
+the queue. Running rows are never evicted for memory.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional
+
+from mlxb.engine.outputs import PrefillChunk, SchedulerOutput
+from mlxb.errors import ContextLimitError, KVBudgetError
+from mlxb.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_batch: int = 8,
+        prefill_chunk: int = 2048,
+        context_limit: Optional[int] = None,
+        kv_budget: Optional[int] = None,
+        row_bytes: Callable[[int], int] = lambda n: 0,
+    ):
+        assert max_batch >= 1 and prefill_chunk >= 1
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.context_limit = context_limit
+        self.kv_budget = kv_budget
+        self.row_bytes = row_bytes
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Optional[Request] = None
+        self.prefill_pos = 0
+        self.running: list[Request] = []  # batch row order
+        self.hold_admission = False  # set while a serial request waits for the batch to drain
+        self.num_submitted = 0
+        self._projected: dict[str, int] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+    def projected_bytes(self, req: Request) -> int:
+        return self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+
+    def check(self, req: Request) -> None:
+        """Raise if ``req`` can never run; otherwise return (it may still have to wait)."""
+        need = req.num_prompt_tokens + req.max_tokens
+        if self.context_limit is not None and need > self.context_limit:
+            raise ContextLimitError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) = {need} exceeds the "
+                f"model's context limit of {self.context_limit} tokens; shorten the prompt or lower max_tokens",
+                param="max_tokens",
+            )
+        if self.kv_budget is not None:
+            b = self.projected_bytes(req)
+            if b > self.kv_budget:
+                raise KVBudgetError(
+                    f"this request alone needs {b} bytes of KV cache (prompt {req.num_prompt_tokens} + max_tokens "
+                    f"{req.max_tokens}) but --kv-budget is {self.kv_budget}; raise --kv-budget to at least {b} "
+                    "or lower max_tokens",
+                    param="max_tokens",
+                )
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.num_submitted += 1
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._projected.values())
+
+    def _can_admit(self, req: Request) -> bool:
+        if self.hold_admission or self.prefilling is not None:
+            return False
+        if len(self.running) >= self.max_batch:
+            return False
+        if self.kv_budget is not None and self.used_bytes + self.projected_bytes(req) > self.kv_budget:
+            return False
+        return True
+
+    # ---- one iteration ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.prefilling is None and self.waiting and self._can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            req.status = RequestStatus.PREFILLING
+            self.prefilling, self.prefill_pos = req, 0
+            self._projected[req.request_id] = self.projected_bytes(req)
+            out.admitted.append(req.request_id)
+        if self.prefilling is not None:
+            req = self.prefilling
+            # NOTE: the last prompt token is held back; the runner feeds it as an L=1 step.
+            body = req.num_prompt_tokens - 1
+            end = min(self.prefill_pos + self.prefill_chunk, body)
+            out.prefill = PrefillChunk(req.request_id, self.prefill_pos, end, is_last=end >= body)
+        out.decode = bool(self.running)
+        return out
+
+    # ---- runner feedback -------------------------------------------------------------------
+    def on_prefill_chunk(self, chunk: PrefillChunk) -> None:
+        assert self.prefilling is not None and self.prefilling.request_id == chunk.request_id
+        self.prefill_pos = chunk.end
+
+    def on_joined(self, request_id: str) -> None:
+        """Prefill finished and token 0 did not end the row: it is now a running row (last in order)."""
+        req = self.prefilling
+        assert req is not None and req.request_id == request_id
+        self.prefilling = None
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def on_finished(self, request_id: str, status: RequestStatus) -> Optional[Request]:
+        """Remove a finished/aborted/failed row wherever it is; returns it (None if unknown)."""
+        assert status.is_finished
+        self._projected.pop(request_id, None)
+        if self.prefilling is not None and self.prefilling.request_id == request_id:
+            req, self.prefilling = self.prefilling, None
+        else:
+            req = next((r for r in self.running if r.request_id == request_id), None)
+            if req is not None:
+                self.running.remove(req)
+            else:
+                req = next((r for r in self.waiting if r.request_id == request_id), None)
+                if req is None:
+                    return None
+                self.waiting.remove(req)
+        req.status = status
+        return req
+
+    def fail_all_running(self) -> list[Request]:
+        """A device error cannot be attributed to a row: every running row fails (prefill too)."""
+        failed = list(self.running) + ([self.prefilling] if self.prefilling else [])
+        for r in failed:
+            self.on_finished(r.request_id, RequestStatus.FINISHED_ERROR)
+        return failed
+
+    # ---- views -----------------------------------------------------------------------------
+    @property
+    def is_idle(self) -> bool:
+        """No running row and no prefill in flight (the device is free for a serial request)."""
+        return not self.running and self.prefilling is None
+
+    def has_work(self) -> bool:
+        if self.running or self.prefilling is not None:
+            return True
+        return bool(self.waiting) and self._can_admit(self.waiting[0])
+
+    def row_index(self, request_id: str) -> int:
+        return next(i for i, r in enumerate(self.running) if r.request_id == request_id)

@@ -1,0 +1,136 @@
+"""One contract over every cache kind the engine joins (full, latent, rotating incl. wrap, SSM).
+
+Synthetic arrays only: each row's values encode (row, position) so any misplaced column shows.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from mlxb.cache.protocol import ROW_OPS, layer_kind, nbytes
+
+H, D, W = 2, 4, 8  # heads, head dim, sliding window
+
+
+def kv_solo(row: int, length: int, cls=KVCache, **kw):
+    c = cls(**kw)
+    for pos in range(length):  # one token at a time, like decode (wraps rotating rings)
+        k = mx.full((1, H, 1, D), row * 1000 + pos, dtype=mx.float32)
+        c.update_and_fetch(k, k + 0.5)
+    return c
+
+
+def ssm_solo(row: int):
+    c = ArraysCache(2)
+    c[0] = mx.full((1, 3, 5), float(row))
+    c[1] = mx.full((1, 2, 4, 4), float(row) + 0.25)
+    return c
+
+
+def solo_values(kind, c):
+    if kind == "ssm":
+        return [mx.array(a) for a in c.cache]
+    if kind == "rotating":
+        k = c._temporal_order(c.keys)[..., -c.size():, :] if c.keys is not None else None
+        return [k]
+    return [c.keys[..., : c.offset, :]]
+
+
+def make(kind, row, length):
+    if kind in ("full", "latent"):
+        return kv_solo(row, length)
+    if kind == "rotating":
+        return kv_solo(row, length, RotatingKVCache, max_size=W)
+    return ssm_solo(row)
+
+
+KINDS = ["full", "latent", "rotating", "ssm"]
+LENGTHS = [5, 3, 12, 7]  # 12 > W: that row's ring has wrapped
+
+
+def same(a, b):
+    return all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layer_kind_by_capability(kind):
+    c = make(kind, 0, 2)
+    assert layer_kind(c, latent=kind == "latent") == kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extract_after_merge_is_identity(kind):
+    ops = ROW_OPS[kind]
+    solos = [make(kind, i, n) for i, n in enumerate(LENGTHS)]
+    batch = ops.to_batch(solos)
+    for i, s in enumerate(solos):
+        assert same(solo_values(kind, ops.extract(batch, i)), solo_values(kind, s)), f"row {i}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["extend", "merge"])
+def test_extract_after_join_is_identity(kind, mode):
+    ops = ROW_OPS[kind]
+    solos = [make(kind, i, n) for i, n in enumerate(LENGTHS)]
+    batch = ops.to_batch(solos[:1])
+    for s in solos[1:]:
+        batch = ops.join(batch, s, mode)
+    for i, s in enumerate(solos):
+        assert same(solo_values(kind, ops.extract(batch, i)), solo_values(kind, s)), f"row {i}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_filter_keeps_order_and_shrinks_bytes(kind):
+    ops = ROW_OPS[kind]
+    solos = [make(kind, i, n) for i, n in enumerate(LENGTHS)]
+    batch = ops.to_batch(solos)
+    before = nbytes(batch)
+    batch = ops.filter(batch, [3, 1])
+    assert nbytes(batch) < before
+    for j, i in enumerate([3, 1]):
+        assert same(solo_values(kind, ops.extract(batch, j)), solo_values(kind, solos[i]))
+
+
+def test_full_filter_trims_shared_left_padding():
+    ops = ROW_OPS["full"]
+    batch = ops.to_batch([kv_solo(0, 10), kv_solo(1, 4), kv_solo(2, 6)])
+    assert batch.left_padding.tolist() == [0, 6, 4] and batch._idx == 10
+    batch = ops.filter(batch, [1, 2])
+    assert batch.left_padding.tolist() == [2, 0]  # 4 shared columns removed
+    assert batch._idx == 6 and batch.keys.shape[2] == 6
+    assert batch.offset.tolist() == [4, 6]  # absolute positions (RoPE) unchanged
+
+
+def test_full_filter_without_trim_is_the_planted_bug():
+    ops = ROW_OPS["full"]
+    batch = ops.to_batch([kv_solo(0, 10), kv_solo(1, 4)])
+    batch = ops.filter(batch, [1], trim_padding=False)
+    assert batch.left_padding.tolist() == [6]
+
+
+@pytest.mark.parametrize("kind", ["full", "rotating", "ssm"])
+def test_join_with_empty_sides(kind):
+    ops = ROW_OPS[kind]
+    if kind == "ssm":
+        empty = ArraysCache(2)
+        batch = ops.to_batch([empty])
+        batch = ops.join(batch, ssm_solo(1))
+        assert same(solo_values(kind, ops.extract(batch, 1)), solo_values(kind, ssm_solo(1)))
+        assert mx.array_equal(ops.extract(batch, 0).cache[0], mx.zeros((1, 3, 5))).item()
+        return
+    cls = (KVCache, {}) if kind == "full" else (RotatingKVCache, {"max_size": W})
+    empty = cls[0](**cls[1])
+    batch = ops.to_batch([empty])
+    batch = ops.join(batch, make(kind, 1, 3), "extend")
+    assert same(solo_values(kind, ops.extract(batch, 1)), solo_values(kind, make(kind, 1, 3)))
+    batch2 = ops.to_batch([make(kind, 2, 4)])
+    batch2 = ops.join(batch2, cls[0](**cls[1]), "extend")
+    assert same(solo_values(kind, ops.extract(batch2, 0)), solo_values(kind, make(kind, 2, 4)))
+
+
+def test_full_extend_pads_only_the_shorter_side():
+    ops = ROW_OPS["full"]
+    batch = ops.to_batch([kv_solo(0, 9)])
+    batch = ops.join(batch, kv_solo(1, 4), "extend")
+    assert batch.left_padding.tolist() == [0, 5]
+    assert batch.offset.tolist() == [9, 4]

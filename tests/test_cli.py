@@ -1,0 +1,47 @@
+import json
+
+from typer.testing import CliRunner
+
+from mlxb.commands.main import app
+
+runner = CliRunner()
+
+
+def test_help_lists_all_commands():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("serve", "generate", "parity", "golden-gen", "bench", "report", "models", "doctor"):
+        assert cmd in r.output
+
+
+def test_unknown_model_exit_2_names_presets():
+    r = runner.invoke(app, ["generate", "-p", "hi", "-m", "no-such-model"])
+    assert r.exit_code == 2
+    assert "tiny-llama" in r.output
+
+
+def test_generate_json_shape():
+    r = runner.invoke(app, ["generate", "-p", "hello", "-n", "6", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert set(out) >= {"text", "token_ids", "finish_reason", "timings", "prompt_tokens"}
+    assert out["finish_reason"] in ("length", "stop")
+    assert 1 <= len(out["token_ids"]) <= 6 and all(isinstance(t, int) for t in out["token_ids"])
+
+
+def test_models_lists_presets_and_random_weights_note():
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0
+    assert "tiny-qwen3.5" in r.output and "RANDOM" in r.output and "gemma-12b" in r.output
+
+
+def test_doctor_json():
+    r = runner.invoke(app, ["doctor", "--json", "--quick"])
+    assert r.exit_code == 0
+    facts = json.loads(r.output)
+    assert facts["machine_key"] and facts["blas"] and facts["versions"]["mlx"]
+
+
+def test_unbuilt_command_exits_2():
+    r = runner.invoke(app, ["parity"])
+    assert r.exit_code == 2 and "not implemented yet" in r.output
