@@ -1,66 +1,116 @@
-"""`mlxb generate`: one prompt (or K of them) through the engine, streamed to the terminal."""
+"""`mlxb generate`: one prompt (or K of them) through the gateway, streamed to the terminal."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.live import Live
+from rich.table import Table
 
 from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
 
 
 @cli_errors
 def generate(
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text (chat template applied unless --raw)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (chat template applied unless --raw)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="One prompt per line; with --concurrency K the first K are submitted together."),
     model: ModelOpt = None,
     max_tokens: int = typer.Option(64, "--max-tokens", "-n", min=1),
     temp: float = typer.Option(0.0, "--temp", min=0.0),
     seed: Optional[int] = typer.Option(None, "--seed"),
+    batch: int = typer.Option(8, "--batch", "--decode-concurrency", min=1, help="Concurrency cap; 1 = strict serial path."),
+    concurrency: int = typer.Option(1, "--concurrency", "-k", min=1, help="Submit K requests together (K copies of --prompt, or K lines of --prompts-file)."),
     raw: bool = typer.Option(False, "--raw", help="Feed the prompt as plain text, no chat template."),
     dtype: DtypeOpt = None,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, token ids, finish reason, timings."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON: text, token ids, finish reason, timings (one object per request)."),
 ) -> None:
-    """Generate from one prompt through mlx-lm's stream_generate."""
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
+    """Generate through the engine's gateway (continuous batching when K > 1 and --batch > 1)."""
+    from mlxb.engine.build import build_gateway
+    from mlxb.engine.gateway import GenerationInput
+    from mlxb.errors import ValidationError
+    from mlxb.request import SamplingParams
 
-    from mlxb.models import load_model
-
-    t_load = time.perf_counter()
-    m, tok, spec, path = load_model(model, dtype)
-    load_s = time.perf_counter() - t_load
-    ids = tok.encode(prompt) if raw else tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    if seed is not None:
-        mx.random.seed(seed)
-    sampler = make_sampler(temp=temp)
-    text, tokens, finish, last = [], [], None, None
-    t0 = time.perf_counter()
-    for r in stream_generate(m, tok, ids, max_tokens=max_tokens, sampler=sampler):
-        if r.finish_reason != "stop" or r.token not in tok.eos_token_ids:
-            tokens.append(r.token)
-        text.append(r.text)
-        if not json_out:
-            console.print(r.text, end="", markup=False, highlight=False, soft_wrap=True)
-        finish, last = r.finish_reason, r
-    total = time.perf_counter() - t0
-    out = {
-        "model": spec.name,
-        "text": "".join(text),
-        "prompt_tokens": len(ids),
-        "token_ids": tokens,
-        "finish_reason": finish,
-        "timings": {
-            "load_s": round(load_s, 4),
-            "total_s": round(total, 4),
-            "prompt_tps": round(last.prompt_tps, 2) if last else None,
-            "generation_tps": round(last.generation_tps, 2) if last else None,
-        },
-    }
-    if json_out:
-        print(json.dumps(out))
+    if prompts_file is not None:
+        texts = [ln for ln in prompts_file.read_text().splitlines() if ln.strip()][:concurrency]
+        if len(texts) < concurrency:
+            texts = (texts * concurrency)[:concurrency]
+    elif prompt is not None:
+        texts = [prompt] * concurrency
     else:
+        raise ValidationError("give --prompt TEXT or --prompts-file FILE")
+    gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens)
+    try:
+        results = _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput)
+    finally:
+        gw.engine.shutdown()
+    if json_out:
+        for r in results:
+            print(json.dumps(r))
+    elif len(results) == 1:
+        r = results[0]
         console.print()
-        console.print(f"[dim]{len(tokens)} tokens, finish={finish}, {out['timings']['generation_tps']} tok/s ({spec.name})[/]")
+        console.print(f"[dim]{len(r['token_ids'])} tokens, finish={r['finish_reason']}, "
+                      f"ttft {r['timings']['ttft_s']}s, {r['timings']['decode_tps']} tok/s ({gw.model_name}, {r['mechanism']})[/]")
+
+
+def _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput):
+    subs = []
+    for i, text in enumerate(texts):
+        sp = SamplingParams(temperature=temp, seed=None if seed is None else seed + i)
+        inp = GenerationInput(prompt=text, max_tokens=max_tokens, sampling=sp) if raw else \
+            GenerationInput(messages=[{"role": "user", "content": text}], max_tokens=max_tokens, sampling=sp)
+        subs.append(gw.submit(inp))
+    state = [{"text": "", "ids": [], "finish": None, "timings": None, "usage": None} for _ in subs]
+    t0 = time.perf_counter()
+    if len(subs) == 1 and not json_out:
+        for out in subs[0][1]:
+            console.print(out.text, end="", markup=False, highlight=False, soft_wrap=True)
+            _apply(state[0], out)
+    else:
+        import threading
+
+        def consume(i, stream):
+            for out in stream:
+                _apply(state[i], out)
+
+        threads = [threading.Thread(target=consume, args=(i, st)) for i, (_, st) in enumerate(subs)]
+        for t in threads:
+            t.start()
+        if json_out:
+            for t in threads:
+                t.join()
+        else:
+            with Live(_table(state, gw, t0), console=console, refresh_per_second=8) as live:
+                while any(t.is_alive() for t in threads):
+                    time.sleep(0.1)
+                    live.update(_table(state, gw, t0))
+                live.update(_table(state, gw, t0))
+    return [
+        {"model": gw.model_name, "request_id": req.request_id, "mechanism": req.mechanism, "text": s["text"],
+         "prompt_tokens": req.num_prompt_tokens, "token_ids": s["ids"], "finish_reason": s["finish"],
+         "usage": s["usage"], "timings": s["timings"]}
+        for (req, _), s in zip(subs, state)
+    ]
+
+
+def _apply(s, out):
+    s["text"] += out.text
+    if out.token is not None:
+        s["ids"].append(out.token)
+    if out.finish_reason:
+        s["finish"], s["timings"], s["usage"] = out.finish_reason, out.timings, out.usage
+
+
+def _table(state, gw, t0):
+    st = gw.engine.stats()
+    t = Table(title=f"{gw.model_name}  mode={st['mode']}  active={st['active_rows']} pending={st['pending_rows']} "
+                    f"batched_steps={st['batched_steps']}  {time.perf_counter() - t0:.1f}s")
+    for c in ("row", "tokens", "finish", "text (tail)"):
+        t.add_column(c)
+    for i, s in enumerate(state):
+        t.add_row(str(i), str(len(s["ids"])), s["finish"] or "…", repr(s["text"][-48:]))
+    return t

@@ -1,8 +1,67 @@
-"""`mlxb serve` (placeholder until the server issue lands)."""
+"""`mlxb serve`: the OpenAI-compatible server over the engine."""
 
-from mlxb.commands._common import not_implemented
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
 
 
-def serve() -> None:
-    """OpenAI-compatible server over the engine (not implemented yet)."""
-    not_implemented("serve", "issue 4")
+@cli_errors
+def serve(
+    model: ModelOpt = None,
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8080, "--port"),
+    batch: int = typer.Option(8, "--batch", "--decode-concurrency", min=1, help="Concurrency cap (rows decoding together); 1 = strict serial."),
+    prompt_concurrency: int = typer.Option(1, "--prompt-concurrency", min=1, help="Joiners prefilling at once (mlxb prefills one joiner at a time; only 1 is accepted)."),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1),
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV byte budget for admission, e.g. 2GB, 512MiB, 100000."),
+    max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Default max_tokens when a request gives none."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="A Jinja chat template string overriding the tokenizer's."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXB_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+    max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Request body size limit (413 above it)."),
+    log_level: str = typer.Option("info", "--log-level"),
+    dtype: DtypeOpt = None,
+) -> None:
+    """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
+    import uvicorn
+
+    from mlxb.engine.build import build_gateway
+    from mlxb.errors import ValidationError
+    from mlxb.server.app import create_app
+
+    if prompt_concurrency != 1:
+        raise ValidationError("--prompt-concurrency: mlxb prefills one joiner at a time (chunked, interleaved with decode); use 1")
+    budget = parse_bytes(kv_budget) if kv_budget else None
+    with console.status("loading model ..."):
+        gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
+                           default_max_tokens=max_tokens, chat_template=chat_template)
+    import mlx.core as mx
+
+    app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
+    console.print(f"[bold green]mlxb serve[/] http://{host}:{port}/v1  model={gw.model_name}"
+                  f"{' (synthetic, random weights)' if gw.spec.synthetic else ''}  device={mx.default_device()}  "
+                  f"mode={gw.engine.mode} (batch {batch})")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                            access_log=log_level == "debug")
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    finally:
+        gw.engine.shutdown()
+    console.print("[dim]mlxb serve stopped[/]")
+
+
+def parse_bytes(s: str) -> int:
+    from mlxb.errors import ValidationError
+
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = s.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        return int(float(num) * units[unit])
+    except (ValueError, KeyError):
+        raise ValidationError(f"--kv-budget {s!r}: use a number with an optional unit, e.g. 2GB or 512MiB") from None

@@ -110,6 +110,7 @@ class Engine:
         self._stop.set()
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
+        mx.synchronize()
 
     def kill_for_test(self) -> None:
         """Make the engine thread die as a crash would (used to test /health)."""
@@ -132,6 +133,14 @@ class Engine:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        # NOTE: every engine-thread MLX call runs on one stream made at construction. With the
+        # thread's implicit default stream, MLX sometimes aborted the process at exit
+        # ("terminate called without an active exception") after batched decoding.
+        self._stream = mx.new_stream(mx.default_device())
+        with mx.stream(self._stream):
+            self._loop_body()
+
+    def _loop_body(self) -> None:
         try:
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
@@ -152,6 +161,11 @@ class Engine:
             for live in list(self._live.values()):
                 self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
             raise
+        finally:
+            # NOTE: drain work this thread queued with async_eval (lookahead steps nobody reads);
+            # MLX aborts the process at exit if a finished thread's stream still holds tasks.
+            self.runner.drop_all()
+            mx.synchronize()
 
     def _drain_inbox(self, block: bool) -> None:
         try:

@@ -1,0 +1,200 @@
+"""The ASGI app (Starlette on uvicorn): routes call the gateway and nothing else.
+
+The engine runs on its own thread; streams reach the event loop through ``OutputStream``
+(``call_soon_threadsafe``), so neither side ever blocks the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Optional
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxb.engine.gateway import Gateway
+from mlxb.errors import MlxbError, ModelNotFoundError, ValidationError
+from mlxb.server import protocol as P
+from mlxb.server.metrics import Metrics
+
+DEFAULT_MAX_BODY = 4 << 20
+
+
+class _HTTPError(MlxbError):
+    def __init__(self, status: int, message: str, kind: str, code: str):
+        super().__init__(message, code=code)
+        self.status, self.kind = status, kind
+
+
+def err(e: MlxbError) -> JSONResponse:
+    return JSONResponse(P.error_body(e), status_code=e.status)
+
+
+def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY,
+               served_names: Optional[set[str]] = None) -> Starlette:
+    gw = gateway
+    metrics = Metrics()
+    names = {gw.model_name} | set(served_names or ())
+    started = time.time()
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise _HTTPError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                             "authentication_error", "invalid_api_key")
+
+    async def read_json(request: Request):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            raise _HTTPError(413, f"request body is {length} bytes; the limit is {max_body_bytes}",
+                             "invalid_request_error", "body_too_large")
+        body = b""
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body_bytes:
+                raise _HTTPError(413, f"request body exceeds the limit of {max_body_bytes} bytes",
+                                 "invalid_request_error", "body_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValidationError(f"malformed JSON body: {e}") from None
+
+    async def completions(request: Request, chat: bool):
+        try:
+            check_auth(request)
+            body = await read_json(request)
+            inp, opts = P.parse(body, chat=chat, default_max_tokens=gw.default_max_tokens)
+            if opts["model"] is not None and opts["model"] not in names and opts["model"] != "default_model":
+                raise ModelNotFoundError(f"model {opts['model']!r} is not served here; this server serves "
+                                         f"{sorted(names)} (see GET /v1/models)", param="model")
+            req, stream = gw.submit(inp, loop=asyncio.get_running_loop())
+        except MlxbError as e:
+            metrics.requests.labels("chat" if chat else "completions", f"http_{e.status}").inc()
+            return err(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        metrics.prompt_tokens.inc(req.num_prompt_tokens)
+        cid, model = P.new_id(chat), gw.model_name
+        if opts["stream"]:
+            return StreamingResponse(sse(req, stream, cid, model, chat, opts), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await collect(req, stream, cid, model, chat, opts, request)
+
+    def observe(out, last_t, first):
+        now = time.perf_counter()
+        if out.token is not None:
+            metrics.tokens.inc()
+            if first:
+                pass
+            elif last_t is not None:
+                metrics.itl.observe(now - last_t)
+        return now
+
+    def lp_block(chat, outs):
+        return (P.logprobs_chat if chat else P.logprobs_completion)(gw.tokenizer, outs)
+
+    async def collect(req, stream, cid, model, chat, opts, request):
+        outs, text, last = [], [], None
+        try:
+            async for out in stream:
+                observe(out, None, True)
+                outs.append(out)
+                text.append(out.text)
+                last = out
+        finally:
+            if last is None or last.finish_reason is None:
+                gw.cancel(req.request_id)
+        if last.timings and last.timings.get("ttft_s") is not None:
+            metrics.ttft.observe(last.timings["ttft_s"])
+        if last.finish_reason == "error":
+            metrics.requests.labels("chat" if chat else "completions", "error").inc()
+            e = last.error if isinstance(last.error, MlxbError) else MlxbError(str(last.error))
+            return err(e)
+        metrics.requests.labels("chat" if chat else "completions", "ok").inc()
+        lp = lp_block(chat, outs) if opts["logprobs"] else None
+        return JSONResponse(P.full(cid, model, chat, "".join(text), P.finish(last.finish_reason), last.usage, lp))
+
+    async def sse(req, stream, cid, model, chat, opts):
+        done = False
+        last_t = None
+        first = True
+        try:
+            async for out in stream:
+                last_t = observe(out, last_t, first)
+                lp = lp_block(chat, [out]) if (opts["logprobs"] and out.logprob is not None) else None
+                if out.text or lp or first:
+                    if first and out.timings is None:
+                        metrics.ttft.observe(time.perf_counter() - req.timings.submitted)
+                    yield f"data: {json.dumps(P.chunk(cid, model, chat, out.text, None, lp, first))}\n\n"
+                    first = False
+                if out.finish_reason is not None:
+                    done = True
+                    if out.finish_reason == "error":
+                        e = out.error if isinstance(out.error, MlxbError) else MlxbError(str(out.error))
+                        yield f"data: {json.dumps(P.error_body(e))}\n\n"
+                    yield f"data: {json.dumps(P.chunk(cid, model, chat, '', P.finish(out.finish_reason)))}\n\n"
+                    if opts["include_usage"]:
+                        u = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                             "created": int(time.time()), "model": model, "choices": [], "usage": P.usage(out.usage)}
+                        yield f"data: {json.dumps(u)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    metrics.requests.labels("chat" if chat else "completions", out.finish_reason).inc()
+        finally:
+            if not done:  # the client went away mid-stream: free the row within one step
+                gw.cancel(req.request_id)
+                metrics.requests.labels("chat" if chat else "completions", "disconnected").inc()
+
+    async def chat_route(request: Request):
+        return await completions(request, chat=True)
+
+    async def completions_route(request: Request):
+        return await completions(request, chat=False)
+
+    async def models_route(request: Request):
+        try:
+            check_auth(request)
+        except MlxbError as e:
+            return err(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": n, "object": "model", "created": int(started), "owned_by": "mlxb"} for n in sorted(names)]})
+
+    async def health(request: Request):
+        if gw.engine.alive:
+            return JSONResponse({"status": "ok"})
+        reason = repr(gw.engine.fatal) if gw.engine.fatal else "engine thread not running"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    async def stats(request: Request):
+        s = gw.engine.stats()
+        batch = {k: s[k] for k in ("configured", "mode", "batched", "active_rows", "pending_rows", "submitted_rows",
+                                   "kv_bytes", "kv_budget_bytes")}
+        return JSONResponse({"model": gw.model_name, "batch": batch,
+                             "engine": {k: v for k, v in s.items() if k not in batch},
+                             "uptime_s": round(time.time() - started, 3), "alive": gw.engine.alive})
+
+    async def metrics_route(request: Request):
+        return Response(metrics.render(gw.engine.stats()), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/chat/completions", chat_route, methods=["POST"]),
+        Route("/chat/completions", chat_route, methods=["POST"]),
+        Route("/v1/completions", completions_route, methods=["POST"]),
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/stats", stats, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+    ]
+
+    async def not_found(request, exc):
+        code = getattr(exc, "status_code", 404)
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {getattr(exc, 'detail', 'not found')}",
+                                       "type": "invalid_request_error", "param": None, "code": str(code)}}, status_code=code)
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,181 @@
+"""OpenAI request parsing (strict, naming the field) and response/chunk shaping."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Optional
+
+from mlxb.engine.gateway import GenerationInput
+from mlxb.errors import MlxbError, ValidationError
+from mlxb.request import RequestOutput, SamplingParams
+
+UNSUPPORTED = ("tools", "tool_choice", "response_format", "adapters", "draft_model", "num_draft_tokens",
+               "functions", "function_call", "n", "best_of", "suffix", "echo")
+
+NUM = (int, float)
+
+
+def _get(body: dict, key: str, types, default=None, *, allow_none=True):
+    if key not in body or (body[key] is None and allow_none):
+        return default
+    v = body[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ValidationError(f"{key} must be {_tname(types)}, got a boolean", param=key)
+    if not isinstance(v, types):
+        raise ValidationError(f"{key} must be {_tname(types)}, got {type(v).__name__}", param=key)
+    return v
+
+
+def _tname(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean", list: "a list", dict: "an object"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[GenerationInput, dict]:
+    """Return the gateway input and the response options (stream, include_usage, logprobs shape)."""
+    if not isinstance(body, dict):
+        raise ValidationError("the request body must be a JSON object")
+    for key in UNSUPPORTED:
+        v = body.get(key)
+        if v not in (None, [], {}, False) and not (key in ("n", "best_of") and v == 1):
+            raise MlxbError(f"{key} is not supported by mlxb yet; remove the field", param=key, code="unsupported_field")
+    if chat:
+        messages = _get(body, "messages", list)
+        if messages is None:
+            raise ValidationError("messages is required", param="messages")
+        prompt = None
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise ValidationError("prompt is required", param="prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        messages = None
+    prompt_ids = None
+    if not chat and isinstance(prompt, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
+        prompt_ids, prompt = prompt, None
+    elif not chat and not isinstance(prompt, str):
+        raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
+
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, default_max_tokens)
+    if chat:
+        want_lp = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int, 0)
+        if top and not want_lp:
+            raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
+    else:
+        top = _get(body, "logprobs", int, None)
+        want_lp = top is not None
+        top = top or 0
+    bias = _get(body, "logit_bias", dict, None)
+    if bias is not None:
+        try:
+            bias = {int(k): v for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise ValidationError("logit_bias keys must be token ids", param="logit_bias") from None
+    sp = SamplingParams(
+        temperature=_get(body, "temperature", NUM, 0.0),
+        top_p=_get(body, "top_p", NUM, 1.0),
+        top_k=_get(body, "top_k", int, 0),
+        min_p=_get(body, "min_p", NUM, 0.0),
+        xtc_probability=_get(body, "xtc_probability", NUM, 0.0),
+        xtc_threshold=_get(body, "xtc_threshold", NUM, 0.1),
+        repetition_penalty=_get(body, "repetition_penalty", NUM, None),
+        repetition_context_size=_get(body, "repetition_context_size", int, 20),
+        presence_penalty=_get(body, "presence_penalty", NUM, None),
+        presence_context_size=_get(body, "presence_context_size", int, 20),
+        frequency_penalty=_get(body, "frequency_penalty", NUM, None),
+        frequency_context_size=_get(body, "frequency_context_size", int, 20),
+        logit_bias=bias,
+        seed=_get(body, "seed", int, None),
+        logprobs=want_lp,
+        top_logprobs=top,
+    )
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise ValidationError("stop must be a string or a list of strings", param="stop")
+    stream_opts = _get(body, "stream_options", dict, {}) or {}
+    inp = GenerationInput(messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
+                          sampling=sp, stop=[stop] if isinstance(stop, str) else stop,
+                          chat_template_kwargs=_get(body, "chat_template_kwargs", dict, None))
+    opts = {
+        "stream": _get(body, "stream", bool, False),
+        "include_usage": bool(stream_opts.get("include_usage", False)),
+        "model": _get(body, "model", str, None),
+        "logprobs": want_lp,
+    }
+    return inp, opts
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def _tok_text(tokenizer, t: int) -> str:
+    return tokenizer.decode([t])
+
+
+def logprobs_chat(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
+    content = []
+    for o in outs:
+        if o.logprob is None:
+            continue
+        s = _tok_text(tokenizer, o.logprob.token)
+        content.append({
+            "token": s, "logprob": o.logprob.logprob, "bytes": list(s.encode()),
+            "top_logprobs": [{"token": _tok_text(tokenizer, t), "logprob": lp, "bytes": list(_tok_text(tokenizer, t).encode())}
+                             for t, lp in o.logprob.top],
+        })
+    return {"content": content}
+
+
+def logprobs_completion(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
+    toks, lps, tops = [], [], []
+    for o in outs:
+        if o.logprob is None:
+            continue
+        toks.append(_tok_text(tokenizer, o.logprob.token))
+        lps.append(o.logprob.logprob)
+        tops.append({_tok_text(tokenizer, t): lp for t, lp in o.logprob.top})
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
+
+
+def usage(u: dict) -> dict:
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+
+
+def finish(reason: Optional[str]) -> Optional[str]:
+    return {"cancelled": "stop", "error": "stop"}.get(reason, reason)
+
+
+def chunk(cid: str, model: str, chat: bool, text: str, reason: Optional[str], lp: Optional[dict] = None,
+          first: bool = False) -> dict:
+    now = int(time.time())
+    if chat:
+        delta = {"role": "assistant", "content": text} if (text or first) else {}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model, "choices": [choice]}
+    return {"id": cid, "object": "text_completion", "created": now, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
+
+
+def full(cid: str, model: str, chat: bool, text: str, reason: str, u: dict, lp: Optional[dict]) -> dict:
+    now = int(time.time())
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
+        obj = "text_completion"
+    return {"id": cid, "object": obj, "created": now, "model": model, "choices": [choice], "usage": usage(u)}
+
+
+def error_body(e: MlxbError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}

@@ -1,0 +1,94 @@
+"""The official openai SDK against a live server on 127.0.0.1 (tiny-llama, random weights)."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture
+def sdk(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused")
+
+
+MSG = [{"role": "user", "content": "Write a function."}]
+
+
+def test_chat_non_streaming(sdk):
+    r = sdk.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=8)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streaming_with_usage(sdk):
+    chunks = list(sdk.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_streaming_equals_non_streaming_greedy(sdk):
+    a = sdk.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=10).choices[0].message.content
+    b = "".join(c.choices[0].delta.content or "" for c in
+                sdk.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=10, stream=True) if c.choices)
+    assert a == b
+
+
+def test_completions_and_logprobs(sdk):
+    r = sdk.completions.create(model="tiny-llama", prompt="def f(x):", max_tokens=5, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(len(t) >= 1 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    s = list(sdk.completions.create(model="tiny-llama", prompt="def f(x):", max_tokens=4, stream=True))
+    assert "".join(c.choices[0].text for c in s if c.choices) == sdk.completions.create(
+        model="tiny-llama", prompt="def f(x):", max_tokens=4).choices[0].text
+
+
+def test_chat_logprobs(sdk):
+    r = sdk.chat.completions.create(model="tiny-llama", messages=MSG, max_tokens=4, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_models_offline(sdk):
+    ids = [m.id for m in sdk.models.list().data]
+    assert "tiny-llama" in ids
+
+
+def test_eight_concurrent_streams_batch(sdk, live):
+    seen = []
+    stop = threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=live.url) as c:
+            while not stop.is_set():
+                seen.append(c.get("/stats").json()["batch"])
+                time.sleep(0.02)
+
+    results = [None] * 8
+
+    def one(i):
+        s = sdk.chat.completions.create(model="tiny-llama", max_tokens=48, stream=True,
+                                        messages=[{"role": "user", "content": f"agent {i}"}])
+        results[i] = "".join(c.choices[0].delta.content or "" for c in s if c.choices)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    stop.set()
+    t.join()
+    assert all(results)
+    assert max(s["active_rows"] for s in seen) >= 4
+    assert any(s["batched"] for s in seen)
+    assert seen[-1]["mode"] == "batch"
