@@ -102,6 +102,7 @@ class Request:
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # benchmarks: generate max_tokens even past EOS
     on_output: Optional[Callable[[Any], None]] = None  # called on the engine thread; raising evicts the row
     status: RequestStatus = RequestStatus.WAITING
     mechanism: str = "continuous"  # "serial" | "continuous"

@@ -318,7 +318,7 @@ class Engine:
         if req.timings.first_token is None:
             req.timings.first_token = time.perf_counter()
         self.counters["tokens"] += 1
-        if em.token in self.eos_ids:
+        if em.token in self.eos_ids and not req.ignore_eos:
             return self._finish(live, RequestStatus.FINISHED_STOPPED)
         req.num_generated += 1
         live.detok.add_token(em.token)

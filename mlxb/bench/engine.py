@@ -1,0 +1,137 @@
+"""In-process engine benchmark: our engine vs mlx-lm on the same model, machine and prompts.
+
+Arms run interleaved (ours, peer, ours, peer, ...) so drift hits both; every number is a ratio
+against the peer measured in the same repeat. EOS is ignored on both sides so every row decodes
+exactly ``gen_tokens``.
+
+* ``b1``: one request; decode tok/s after the first token. Ours goes through the continuous lane
+  (a lone adopted row); the peer is mlx-lm ``stream_generate``.
+* ``aggregate@B``: B requests submitted together; generated tokens / wall time from submission to
+  the last token (prefill included, identical work on both sides). Peer: mlx-lm ``BatchGenerator``.
+* ``prefill``: prompt tokens / time to first token for one request, both sides.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mlxb.engine.engine import Engine
+from mlxb.engine.stream import OutputStream
+from mlxb.request import Request
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab - 1, size=length).tolist() for _ in range(n)]
+
+
+def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
+    streams, t0 = [], time.perf_counter()
+    for i, p in enumerate(prompts):
+        r = Request(f"b{time.perf_counter_ns()}-{i}", p, gen, ignore_eos=True)
+        st = OutputStream(r.request_id)
+        engine.submit(r, st)
+        streams.append(st)
+    firsts, lasts, n = [], [], 0
+    for st in streams:
+        first = None
+        for out in st:
+            now = time.perf_counter()
+            if out.token is not None:
+                n += 1
+                first = first or now
+                last = now
+        firsts.append(first)
+        lasts.append(last)
+    end = max(lasts)
+    return {"tokens": n, "wall": end - t0, "ttft": firsts[0] - t0, "decode": (gen - 1) / (lasts[0] - firsts[0])}
+
+
+def peer_single(model, tokenizer, prompt: list[int], gen: int) -> dict:
+    from mlx_lm import stream_generate
+
+    tok = copy.copy(tokenizer)
+    tok._eos_token_ids = set()
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    for r in stream_generate(model, tok, prompt, max_tokens=gen):
+        now = time.perf_counter()
+        first = first or now
+        last = now
+        n += 1
+    return {"tokens": n, "wall": last - t0, "ttft": first - t0, "decode": (gen - 1) / (last - first)}
+
+
+def peer_batch(model, prompts: list[list[int]], gen: int) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    bg = BatchGenerator(model, max_tokens=gen, stop_tokens=None, completion_batch_size=max(len(prompts), 1),
+                        prefill_batch_size=max(len(prompts), 1))
+    t0 = time.perf_counter()
+    bg.insert(prompts, max_tokens=[gen] * len(prompts))
+    n, first = 0, None
+    while True:
+        resps = bg.next_generated()
+        if not resps:
+            break
+        now = time.perf_counter()
+        first = first or now
+        n += len(resps)
+    end = time.perf_counter()
+    bg.close()
+    return {"tokens": n, "wall": end - t0, "ttft": first - t0}
+
+
+def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
+        progress: Optional[Callable[[str], None]] = None) -> dict:
+    vocab = int(getattr(model.args, "vocab_size", 8192))
+    engine = Engine(model, tokenizer, max_batch=max(batches)).start()
+    say = progress or (lambda s: None)
+    rows: list[dict] = []
+    try:
+        warm = _prompts(2, prompt_len, vocab, 99)
+        ours(engine, warm, 8)
+        peer_batch(model, warm, 8)
+        for rep in range(repeats):
+            p1 = _prompts(1, prompt_len, vocab, rep)[0]
+            say(f"repeat {rep + 1}/{repeats}: B=1 decode")
+            a, b = ours(engine, [p1], gen), peer_single(model, tokenizer, p1, gen)
+            rows.append({"metric": "b1_decode_tps", "B": 1, "repeat": rep, "ours": a["decode"], "peer": b["decode"],
+                         "peer_name": "mlx_lm.stream_generate"})
+            pp = _prompts(1, prefill_len, vocab, 100 + rep)[0]
+            a, b = ours(engine, [pp], 2), peer_single(model, tokenizer, pp, 2)
+            rows.append({"metric": "prefill_tps", "B": 1, "repeat": rep, "ours": prefill_len / a["ttft"],
+                         "peer": prefill_len / b["ttft"], "peer_name": "mlx_lm.stream_generate"})
+            for B in batches:
+                say(f"repeat {rep + 1}/{repeats}: aggregate B={B}")
+                ps = _prompts(B, prompt_len, vocab, 1000 * rep + B)
+                a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
+                assert a["tokens"] == b["tokens"] == B * gen, (a, b)
+                rows.append({"metric": "aggregate_tps", "B": B, "repeat": rep, "ours": a["tokens"] / a["wall"],
+                             "peer": b["tokens"] / b["wall"], "peer_name": "mlx_lm.BatchGenerator"})
+    finally:
+        engine.shutdown()
+    for r in rows:
+        r["ratio"] = r["ours"] / r["peer"]
+    summary = []
+    for key in sorted({(r["metric"], r["B"]) for r in rows}):
+        rs = [r["ratio"] for r in rows if (r["metric"], r["B"]) == key]
+        ours_v = [r["ours"] for r in rows if (r["metric"], r["B"]) == key]
+        peer_v = [r["peer"] for r in rows if (r["metric"], r["B"]) == key]
+        summary.append({"metric": key[0], "B": key[1], "ours_median": statistics.median(ours_v),
+                        "peer_median": statistics.median(peer_v), "ratio_min": min(rs),
+                        "ratio_median": statistics.median(rs), "ratio_max": max(rs)})
+    try:
+        peak = mx.get_peak_memory()
+    except Exception:
+        peak = None
+    return {"rows": rows, "summary": summary, "peak_memory_bytes": peak,
+            "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
+                       "prefill_len": prefill_len}}
