@@ -47,6 +47,12 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level == "debug")
     server = uvicorn.Server(config)
+    # NOTE: uvicorn drains on SIGINT/SIGTERM and then re-raises the signal through the handler that
+    # was installed before it started; a recording handler here turns that into a clean exit 0.
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
