@@ -14,7 +14,6 @@ import platform
 import re
 import sys
 import time
-from pathlib import Path
 
 OPENBLAS_CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -149,7 +148,6 @@ def report(measure: bool = True) -> dict:
         "memory_gb": round(memory_bytes() / 2**30, 1),
         "blas": loaded_blas(),
         "machine_key": machine_key(),
-        "mlxb_home": str(Path(os.environ.get("MLXB_HOME", "")) or ""),
     }
     from mlxb.models.synth import mlxb_home
 

@@ -85,13 +85,11 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await collect(req, stream, cid, model, chat, opts, request)
 
-    def observe(out, last_t, first):
+    def observe(out, last_t):
         now = time.perf_counter()
         if out.token is not None:
             metrics.tokens.inc()
-            if first:
-                pass
-            elif last_t is not None:
+            if last_t is not None:
                 metrics.itl.observe(now - last_t)
         return now
 
@@ -102,7 +100,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         outs, text, last = [], [], None
         try:
             async for out in stream:
-                observe(out, None, True)
+                observe(out, None)
                 outs.append(out)
                 text.append(out.text)
                 last = out
@@ -125,7 +123,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         first = True
         try:
             async for out in stream:
-                last_t = observe(out, last_t, first)
+                last_t = observe(out, last_t)
                 lp = lp_block(chat, [out]) if (opts["logprobs"] and out.logprob is not None) else None
                 if out.text or lp or first:
                     if first and out.timings is None:
