@@ -15,7 +15,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     batch: int = typer.Option(8, "--batch", "--decode-concurrency", min=1, help="Concurrency cap (rows decoding together); 1 = strict serial."),
-    prompt_concurrency: int = typer.Option(1, "--prompt-concurrency", min=1, help="Joiners prefilling at once (mlxb prefills one joiner at a time; only 1 is accepted)."),
+    prompt_concurrency: Optional[int] = typer.Option(None, "--prompt-concurrency", min=1, help="Most joiners prefilled in one iteration (each alone, within one --prefill-step-size of tokens); default: --batch."),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1),
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV byte budget for admission, e.g. 2GB, 512MiB, 100000."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Default max_tokens when a request gives none."),
@@ -29,15 +29,12 @@ def serve(
     import uvicorn
 
     from mlxb.engine.build import build_gateway
-    from mlxb.errors import ValidationError
     from mlxb.server.app import create_app
 
-    if prompt_concurrency != 1:
-        raise ValidationError("--prompt-concurrency: mlxb prefills one joiner at a time (chunked, interleaved with decode); use 1")
     budget = parse_bytes(kv_budget) if kv_budget else None
     with console.status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
-                           default_max_tokens=max_tokens, chat_template=chat_template)
+                           max_joiners=prompt_concurrency, default_max_tokens=max_tokens, chat_template=chat_template)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})

@@ -48,6 +48,7 @@ class Engine:
         prefill_chunk: int = 2048,
         kv_budget: Optional[int] = None,
         context_limit: Optional[int] = None,
+        max_joiners: Optional[int] = None,
         join_full: str = "extend",
         capture: Optional[Callable] = None,
         faults: frozenset = frozenset(),
@@ -65,6 +66,7 @@ class Engine:
             context_limit=context_limit,
             kv_budget=kv_budget,
             row_bytes=self.projection.row_bytes if self.projection else (lambda n: 0),
+            max_joiners=max_joiners,
         )
         self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults,
                              special_tokens=sorted(self.eos_ids))
@@ -75,6 +77,7 @@ class Engine:
         self._stop = threading.Event()
         self.fatal: Optional[BaseException] = None
         self.last_beat = time.monotonic()
+        self.last_forward: list[str] = []  # request ids of the last decode forward, in batch order
         self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0}
         self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
 
@@ -122,7 +125,7 @@ class Engine:
             "configured": self.max_batch,
             "mode": self.mode,
             "batched": self.runner.merged,
-            "active_rows": len(s.running) + (1 if s.prefilling else 0),
+            "active_rows": len(s.running) + len(s.prefilling),
             "pending_rows": len(s.waiting) + len(self._serial),
             "submitted_rows": s.num_submitted,
             "kv_bytes": self.runner.kv_bytes,
@@ -146,16 +149,7 @@ class Engine:
                 self.last_beat = time.monotonic()
                 busy = self.scheduler.has_work() or (self._serial and self.scheduler.is_idle)
                 self._drain_inbox(block=not busy)
-                self._apply_cancels()
-                if self._serial and self.scheduler.is_idle:
-                    self._run_serial(self._serial.popleft())
-                    continue
-                self.scheduler.hold_admission = bool(self._serial)
-                out = self.scheduler.schedule()
-                if out.is_empty:
-                    continue
-                with self.device_lock:
-                    self._iteration(out)
+                self.iterate()
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
             self.fatal = e
             for live in list(self._live.values()):
@@ -166,6 +160,30 @@ class Engine:
             # MLX aborts the process at exit if a finished thread's stream still holds tasks.
             self.runner.drop_all()
             mx.synchronize()
+
+    def iterate(self):
+        """One scheduler iteration on the calling thread; returns the SchedulerOutput (None if idle).
+
+        The engine thread calls this in its loop. Deterministic drivers (the parity driver) call it
+        directly on an engine that was never started, after ``accept``-ing requests themselves.
+        """
+        self._apply_cancels()
+        if self._serial and self.scheduler.is_idle:
+            self._run_serial(self._serial.popleft())
+            return None
+        self.scheduler.hold_admission = bool(self._serial)
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return None
+        with self.device_lock:
+            self._iteration(out)
+        return out
+
+    def accept(self, req: Request, stream: OutputStream) -> None:
+        """Hand a request in on the calling thread (for drivers of a never-started engine)."""
+        assert not self._thread.is_alive(), "use submit() while the engine thread runs"
+        self.check_admissible(req)
+        self._accept(req, stream)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -226,9 +244,10 @@ class Engine:
             live = self._live[rid]
             live.req.timings.admitted = time.perf_counter()
             live.row = r.new_row(live.req)
-        if out.prefill is not None:
-            self._prefill(out.prefill)
-        if out.decode and r.rows:
+        for chunk in out.prefills:
+            self._prefill(chunk)
+        if r.rows:  # running rows, plus joiners that joined just now
+            self.last_forward = [row.req.request_id for row in r.rows]
             try:
                 emitted = r.decode_step()
             except Exception as e:  # cannot be attributed to a row: the whole batch fails

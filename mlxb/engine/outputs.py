@@ -40,12 +40,13 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    """What the runner does this iteration: at most one prefill chunk, then one decode step."""
+    """What the runner does this iteration: joiner prefill chunks (one chunk's tokens in all, in
+    order; rows whose last chunk runs join at the end of the batch), then one decode step."""
 
-    prefill: Optional[PrefillChunk] = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
     decode: bool = False  # one decode step over every running row
     admitted: list[str] = field(default_factory=list)  # requests that started prefill this iteration
 
     @property
     def is_empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return not self.prefills and not self.decode

@@ -54,7 +54,7 @@ class Runner:
         kinds: list[str],
         *,
         join_full: str = "extend",
-        capture: Optional[Callable[[str, int, int, np.ndarray], None]] = None,
+        capture: Optional[Callable[[str, int, int, np.ndarray, Optional[tuple]], None]] = None,
         faults: frozenset = frozenset(),
         special_tokens: Optional[list[int]] = None,
     ):
@@ -69,7 +69,10 @@ class Runner:
         self.merged = False  # True once caches are batch caches
         self.register: Optional[mx.array] = None  # [B] inputs of the next step
         self.pending: list = []  # per row: logprobs of the unread register token, or None if emitted
+        self.pending_geo: Optional[list] = None  # capture only: cache geometry of the unread step
         self.num_steps = 0
+        # first full/latent layer: its buffer geometry is recorded with captured steps
+        self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
 
     # ---- prefill ---------------------------------------------------------------------------
     def new_row(self, req: Request) -> Row:
@@ -95,9 +98,21 @@ class Runner:
             row.context = mx.concatenate([row.context, last])
         tok, lp = row.sampler(row.context, logits)
         mx.eval(tok, lp)
-        return self._emit(row, int(tok.item()), lp)
+        geo = None
+        if self.capture is not None and self._geo_layer is not None:
+            geo = (int(row.solo[self._geo_layer].offset), 0)
+        return self._emit(row, int(tok.item()), lp, geo)
 
-    def _emit(self, row: Row, token: int, logprobs: Optional[mx.array]) -> Emitted:
+    def _geometry(self) -> list:
+        """Per batch row: (key buffer width, left padding) of the first full layer after a forward."""
+        if self._geo_layer is None:
+            return [None] * len(self.rows)
+        c = self.caches[self._geo_layer]
+        if not self.merged:
+            return [(int(c.offset), 0)]
+        return [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
+
+    def _emit(self, row: Row, token: int, logprobs: Optional[mx.array], geo: Optional[tuple] = None) -> Emitted:
         step = row.steps
         row.steps += 1
         info = None
@@ -106,7 +121,7 @@ class Runner:
             if need_vec:
                 vec = np.array(logprobs.reshape(-1).astype(mx.float32))
                 if self.capture is not None:
-                    self.capture(row.req.request_id, step, token, vec)
+                    self.capture(row.req.request_id, step, token, vec, geo)
                 if row.req.sampling.logprobs or row.req.sampling.top_logprobs:
                     k = row.req.sampling.top_logprobs
                     top = np.argsort(-vec, kind="stable")[:k] if k else []
@@ -132,6 +147,8 @@ class Runner:
         row.solo = []
         self.rows.append(row)
         self.pending.append(None)
+        if self.pending_geo is not None:
+            self.pending_geo.append(None)
 
     # ---- decode ----------------------------------------------------------------------------
     def _needs_vectors(self, row: Row) -> bool:
@@ -159,8 +176,10 @@ class Runner:
                 new_pending.append(lp if self._needs_vectors(r) else True)
             sampled = mx.concatenate(toks)
         mx.async_eval(sampled, [p for p in new_pending if p is not True])
-        prev = self.pending
+        prev, prev_geo = self.pending, self.pending_geo
         self.register, self.pending = sampled, new_pending
+        if self.capture is not None:
+            self.pending_geo = self._geometry()
         self.num_steps += 1
         if self.num_steps % 256 == 0:
             mx.clear_cache()
@@ -168,7 +187,8 @@ class Runner:
             return []
         values = inputs.tolist()
         return [
-            self._emit(r, values[i], None if p is True else p) for i, (r, p) in enumerate(zip(rows, prev)) if p is not None
+            self._emit(r, values[i], None if p is True else p, prev_geo[i] if prev_geo else None)
+            for i, (r, p) in enumerate(zip(rows, prev)) if p is not None
         ]
 
     # ---- retire ----------------------------------------------------------------------------
@@ -188,9 +208,12 @@ class Runner:
         self.register = self.register[idx]
         self.rows = [self.rows[i] for i in keep]
         self.pending = [self.pending[i] for i in keep]
+        if self.pending_geo is not None:
+            self.pending_geo = [self.pending_geo[i] for i in keep]
 
     def drop_all(self) -> None:
         self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False
+        self.pending_geo = None
 
     @property
     def kv_bytes(self) -> int:

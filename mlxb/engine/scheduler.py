@@ -3,9 +3,15 @@
 Pure Python on plain data; it never imports mlx (a test proves it). The runner executes what
 ``schedule()`` decides and reports back through ``on_*`` calls.
 
-Admission is FIFO and head-of-line: the oldest waiting request starts prefill when no other
-prefill is in flight, admission is not held by a serial waiter, the running rows are below the
-concurrency cap, and its worst-case KV bytes fit the budget. A request that can never fit (over
+Admission is FIFO and head-of-line: the oldest waiting request starts prefill when admission is
+not held by a serial waiter, the running and prefilling rows are below the concurrency cap, and its
+worst-case KV bytes fit the budget.
+
+Each iteration spends at most ``prefill_chunk`` prompt tokens of joiner prefill (the held-back last
+token's L=1 step counts as one), then one decode step runs over every running row. Joiners are
+prefilled one after another, each alone on its own caches; several short joiners can finish in
+one iteration (a burst of B agents joins together), a long one is split across iterations. Either
+way running rows stall for at most one chunk's worth of prefill between two decode steps. A request that can never fit (over
 the context limit, or over the budget alone) is rejected when it is added, never left to block
 the queue. Running rows are never evicted for memory.
 """
@@ -28,6 +34,7 @@ class Scheduler:
         context_limit: Optional[int] = None,
         kv_budget: Optional[int] = None,
         row_bytes: Callable[[int], int] = lambda n: 0,
+        max_joiners: Optional[int] = None,
     ):
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
@@ -35,9 +42,10 @@ class Scheduler:
         self.context_limit = context_limit
         self.kv_budget = kv_budget
         self.row_bytes = row_bytes
+        self.max_joiners = max_joiners or max_batch  # joiners prefilled in one iteration (--prompt-concurrency)
         self.waiting: deque[Request] = deque()
-        self.prefilling: Optional[Request] = None
-        self.prefill_pos = 0
+        self.prefilling: list[Request] = []  # admitted, prefill in flight (only the first may be partial)
+        self.prefill_pos: dict[str, int] = {}
         self.running: list[Request] = []  # batch row order
         self.hold_admission = False  # set while a serial request waits for the batch to drain
         self.num_submitted = 0
@@ -77,9 +85,9 @@ class Scheduler:
         return sum(self._projected.values())
 
     def _can_admit(self, req: Request) -> bool:
-        if self.hold_admission or self.prefilling is not None:
+        if self.hold_admission:
             return False
-        if len(self.running) >= self.max_batch:
+        if len(self.running) + len(self.prefilling) >= self.max_batch:
             return False
         if self.kv_budget is not None and self.used_bytes + self.projected_bytes(req) > self.kv_budget:
             return False
@@ -88,31 +96,48 @@ class Scheduler:
     # ---- one iteration ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.prefilling is None and self.waiting and self._can_admit(self.waiting[0]):
-            req = self.waiting.popleft()
-            req.status = RequestStatus.PREFILLING
-            self.prefilling, self.prefill_pos = req, 0
-            self._projected[req.request_id] = self.projected_bytes(req)
-            out.admitted.append(req.request_id)
-        if self.prefilling is not None:
-            req = self.prefilling
+        budget = self.prefill_chunk
+        i = 0
+        while budget > 0 and i < self.max_joiners:
+            if i < len(self.prefilling):
+                req = self.prefilling[i]
+            elif self.waiting and self._can_admit(self.waiting[0]):
+                req = self.waiting.popleft()
+                req.status = RequestStatus.PREFILLING
+                self.prefilling.append(req)
+                self.prefill_pos[req.request_id] = 0
+                self._projected[req.request_id] = self.projected_bytes(req)
+                out.admitted.append(req.request_id)
+            else:
+                break
+            i += 1
             # NOTE: the last prompt token is held back; the runner feeds it as an L=1 step.
-            body = req.num_prompt_tokens - 1
-            end = min(self.prefill_pos + self.prefill_chunk, body)
-            out.prefill = PrefillChunk(req.request_id, self.prefill_pos, end, is_last=end >= body)
+            pos, body = self.prefill_pos[req.request_id], req.num_prompt_tokens - 1
+            end = min(pos + budget, body)
+            is_last = end >= body
+            out.prefills.append(PrefillChunk(req.request_id, pos, end, is_last))
+            budget -= (end - pos) + (1 if is_last else 0)
+            if not is_last:
+                break
         out.decode = bool(self.running)
         return out
 
     # ---- runner feedback -------------------------------------------------------------------
     def on_prefill_chunk(self, chunk: PrefillChunk) -> None:
-        assert self.prefilling is not None and self.prefilling.request_id == chunk.request_id
-        self.prefill_pos = chunk.end
+        assert chunk.request_id in self.prefill_pos, chunk
+        self.prefill_pos[chunk.request_id] = chunk.end
+
+    def _take_prefilling(self, request_id: str) -> Optional[Request]:
+        req = next((r for r in self.prefilling if r.request_id == request_id), None)
+        if req is not None:
+            self.prefilling.remove(req)
+            del self.prefill_pos[request_id]
+        return req
 
     def on_joined(self, request_id: str) -> None:
         """Prefill finished and token 0 did not end the row: it is now a running row (last in order)."""
-        req = self.prefilling
-        assert req is not None and req.request_id == request_id
-        self.prefilling = None
+        req = self._take_prefilling(request_id)
+        assert req is not None, request_id
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -120,9 +145,8 @@ class Scheduler:
         """Remove a finished/aborted/failed row wherever it is; returns it (None if unknown)."""
         assert status.is_finished
         self._projected.pop(request_id, None)
-        if self.prefilling is not None and self.prefilling.request_id == request_id:
-            req, self.prefilling = self.prefilling, None
-        else:
+        req = self._take_prefilling(request_id)
+        if req is None:
             req = next((r for r in self.running if r.request_id == request_id), None)
             if req is not None:
                 self.running.remove(req)
@@ -136,7 +160,7 @@ class Scheduler:
 
     def fail_all_running(self) -> list[Request]:
         """A device error cannot be attributed to a row: every running row fails (prefill too)."""
-        failed = list(self.running) + ([self.prefilling] if self.prefilling else [])
+        failed = list(self.running) + list(self.prefilling)
         for r in failed:
             self.on_finished(r.request_id, RequestStatus.FINISHED_ERROR)
         return failed
@@ -145,10 +169,10 @@ class Scheduler:
     @property
     def is_idle(self) -> bool:
         """No running row and no prefill in flight (the device is free for a serial request)."""
-        return not self.running and self.prefilling is None
+        return not self.running and not self.prefilling
 
     def has_work(self) -> bool:
-        if self.running or self.prefilling is not None:
+        if self.running or self.prefilling:
             return True
         return bool(self.waiting) and self._can_admit(self.waiting[0])
 

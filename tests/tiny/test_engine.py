@@ -53,10 +53,10 @@ def test_batch1_equals_generate_step_and_batched_rows_finish(name, tiny_models):
     ref = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=16)] for p in ps]
     cap1, cap4 = {}, {}
     o1, _ = run(model, tok, [Request(f"r{i}", p, 16) for i, p in enumerate(ps)], 1,
-                capture=lambda rid, s, t, v: cap1.__setitem__((rid, s), v.copy()))
+                capture=lambda rid, s, t, v, g: cap1.__setitem__((rid, s), v.copy()))
     assert toks(o1) == ref
     o4, eng = run(model, tok, [Request(f"r{i}", p, 16) for i, p in enumerate(ps)], 4, delays=[0, 0.03, 0.03, 0.03],
-                  capture=lambda rid, s, t, v: cap4.__setitem__((rid, s), v.copy()))
+                  capture=lambda rid, s, t, v, g: cap4.__setitem__((rid, s), v.copy()))
     assert eng.counters["batched_steps"] > 0, "rows never decoded together"
     assert [out[-1].finish_reason for out in o4] == ["length"] * 4
     assert toks(o4) == ref  # greedy tokens survive batching on every preset

@@ -18,11 +18,12 @@ def drive_prefill(s):
     """Fake runner: run the scheduled prefill to its end and join the row."""
     while True:
         out = s.schedule()
-        assert out.prefill is not None
-        s.on_prefill_chunk(out.prefill)
-        if out.prefill.is_last:
-            s.on_joined(out.prefill.request_id)
-            return out.prefill.request_id
+        assert len(out.prefills) == 1
+        ch = out.prefills[0]
+        s.on_prefill_chunk(ch)
+        if ch.is_last:
+            s.on_joined(ch.request_id)
+            return ch.request_id
 
 
 def test_scheduler_imports_no_mlx():
@@ -31,13 +32,13 @@ def test_scheduler_imports_no_mlx():
 
 
 def test_fifo_and_cap():
-    s = Scheduler(max_batch=2, prefill_chunk=100)
+    s = Scheduler(max_batch=2, prefill_chunk=10)
     for i in range(4):
         s.add(req(f"r{i}"))
     assert drive_prefill(s) == "r0"
     assert drive_prefill(s) == "r1"
     out = s.schedule()
-    assert out.prefill is None and out.decode  # cap reached: r2 waits
+    assert not out.prefills and out.decode  # cap reached: r2 waits
     assert [r.request_id for r in s.waiting] == ["r2", "r3"]
     s.on_finished("r0", RequestStatus.FINISHED_LENGTH)
     assert drive_prefill(s) == "r2"  # FIFO head, never reordered
@@ -53,9 +54,10 @@ def test_chunked_prefill_holds_back_last_token_and_interleaves_decode():
     while True:
         out = s.schedule()
         assert out.decode  # running row "a" steps every iteration: stalls at most one chunk
-        chunks.append((out.prefill.start, out.prefill.end, out.prefill.is_last))
-        s.on_prefill_chunk(out.prefill)
-        if out.prefill.is_last:
+        (ch,) = out.prefills
+        chunks.append((ch.start, ch.end, ch.is_last))
+        s.on_prefill_chunk(ch)
+        if ch.is_last:
             s.on_joined("b")
             break
     assert chunks == [(0, 4, False), (4, 8, False), (8, 9, True)]  # position 9 is held back
@@ -64,8 +66,8 @@ def test_chunked_prefill_holds_back_last_token_and_interleaves_decode():
 def test_one_token_prompt_has_empty_last_chunk():
     s = Scheduler()
     s.add(req("a", n_prompt=1))
-    out = s.schedule()
-    assert (out.prefill.start, out.prefill.end, out.prefill.is_last) == (0, 0, True)
+    (ch,) = s.schedule().prefills
+    assert (ch.start, ch.end, ch.is_last) == (0, 0, True)
 
 
 def test_context_limit_rejects_with_numbers():
@@ -76,7 +78,7 @@ def test_context_limit_rejects_with_numbers():
 
 
 def test_budget_wait_vs_reject():
-    s = Scheduler(max_batch=8, kv_budget=250, row_bytes=lambda n: n * 10)
+    s = Scheduler(max_batch=8, prefill_chunk=10, kv_budget=250, row_bytes=lambda n: n * 10)
     with pytest.raises(KVBudgetError, match="raise --kv-budget to at least 300"):
         s.add(req("big", n_prompt=20, max_tokens=10))
     s.add(req("a", n_prompt=10, max_tokens=5))  # 150 bytes
@@ -86,7 +88,7 @@ def test_budget_wait_vs_reject():
     drive_prefill(s)
     assert s.used_bytes == 250
     out = s.schedule()
-    assert out.prefill is None and [r.request_id for r in s.waiting] == ["c"]
+    assert not out.prefills and [r.request_id for r in s.waiting] == ["c"]
     s.on_finished("a", RequestStatus.FINISHED_STOPPED)
     assert drive_prefill(s) == "c"
 
@@ -98,7 +100,7 @@ def test_serial_waiter_drains_batch():
     s.add(req("b"))
     s.hold_admission = True  # a serial request is waiting
     out = s.schedule()
-    assert out.prefill is None and out.decode
+    assert not out.prefills and out.decode
     assert not s.is_idle
     s.on_finished("a", RequestStatus.FINISHED_LENGTH)
     assert s.is_idle  # the serial request may run now
@@ -107,7 +109,7 @@ def test_serial_waiter_drains_batch():
 
 
 def test_cancel_pending_and_running():
-    s = Scheduler(max_batch=4)
+    s = Scheduler(max_batch=4, prefill_chunk=10)
     for r in ("a", "b", "c"):
         s.add(req(r))
     drive_prefill(s)
@@ -118,7 +120,7 @@ def test_cancel_pending_and_running():
 
 
 def test_containment_fail_all_running_keeps_queue():
-    s = Scheduler(max_batch=4)
+    s = Scheduler(max_batch=4, prefill_chunk=10)
     for r in ("a", "b", "c"):
         s.add(req(r))
     drive_prefill(s)
@@ -134,4 +136,29 @@ def test_cancel_while_prefilling():
     s.add(req("a", n_prompt=10))
     s.schedule()
     s.on_finished("a", RequestStatus.FINISHED_ABORTED)
-    assert s.prefilling is None and s.is_idle and not s.has_work()
+    assert s.prefilling == [] and s.is_idle and not s.has_work()
+
+
+def test_burst_of_short_joiners_shares_one_chunk_budget():
+    s = Scheduler(max_batch=3, prefill_chunk=25)
+    for i in range(5):
+        s.add(req(f"r{i}", n_prompt=10))
+    out = s.schedule()
+    # 10 + 10 tokens (9 prefill + the held-back L=1 step each) then 5 of r2: 25 in all
+    assert [(c.request_id, c.start, c.end, c.is_last) for c in out.prefills] == [
+        ("r0", 0, 9, True), ("r1", 0, 9, True), ("r2", 0, 5, False)]
+    assert out.admitted == ["r0", "r1", "r2"] and not out.decode
+    for c in out.prefills:
+        s.on_prefill_chunk(c)
+        if c.is_last:
+            s.on_joined(c.request_id)
+    out = s.schedule()  # cap 3: r3 is not admitted while r2 is still prefilling
+    assert [(c.request_id, c.start, c.end, c.is_last) for c in out.prefills] == [("r2", 5, 9, True)]
+    assert out.decode and out.admitted == []
+
+
+def test_max_joiners_caps_admissions_per_iteration():
+    s = Scheduler(max_batch=8, prefill_chunk=1000, max_joiners=2)
+    for i in range(4):
+        s.add(req(f"r{i}"))
+    assert s.schedule().admitted == ["r0", "r1"]

@@ -1,0 +1,84 @@
+"""Compare one case's step records (ours vs a reference): exact, within an envelope, or diverged.
+
+Exact means the same token and the same sha256 of the float32 logprob vector. A per-model
+envelope (max |Δlogprob| over the reference's top-5 ids, KL over the renormalized top-5) is only
+consulted where the hash differs and the token agrees; the envelope comes from the golden and is
+never changed here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RowResult:
+    row: int
+    steps: int = 0
+    exact: int = 0
+    envelope: int = 0
+    missing: int = 0  # steps the reference has and we do not (or the reverse)
+    first_divergence: Optional[dict] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.first_divergence is None and self.missing == 0
+
+
+@dataclass
+class CaseResult:
+    label: str
+    against: str
+    rows: list[RowResult] = field(default_factory=list)
+    schedule_mismatch: Optional[dict] = None
+    error: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.schedule_mismatch is None and all(r.ok for r in self.rows)
+
+    def counts(self) -> dict:
+        return {k: sum(getattr(r, k) for r in self.rows) for k in ("steps", "exact", "envelope", "missing")}
+
+
+def _top_delta(ours: list, ref: list) -> tuple[float, float]:
+    a, b = dict((int(i), lp) for i, lp in ours), dict((int(i), lp) for i, lp in ref)
+    if set(a) != set(b):
+        return math.inf, math.inf
+    dmax = max(abs(a[i] - b[i]) for i in b)
+    za, zb = sum(math.exp(v) for v in a.values()), sum(math.exp(v) for v in b.values())
+    kl = sum(math.exp(b[i]) / zb * ((b[i] - math.log(zb)) - (a[i] - math.log(za))) for i in b)
+    return dmax, kl
+
+
+def within(envelope: Optional[dict], ours: dict, ref: dict) -> bool:
+    if not envelope:
+        return False
+    dmax, kl = _top_delta(ours["top"], ref["top"])
+    return dmax <= envelope["max_abs_logprob"] and kl <= envelope["kl_top5"]
+
+
+def compare(label: str, against: str, ours: dict, ref: dict, envelope: Optional[dict] = None) -> CaseResult:
+    res = CaseResult(label, against)
+    for key in sorted(ref, key=int):
+        rr = RowResult(int(key))
+        mine, theirs = ours.get(key, []), ref[key]
+        rr.missing = abs(len(mine) - len(theirs))
+        for step, (a, b) in enumerate(zip(mine, theirs)):
+            rr.steps += 1
+            same_geo = a.get("g") == b.get("g")
+            if a["t"] == b["t"] and a["h"] == b["h"] and same_geo:
+                rr.exact += 1
+            elif a["t"] == b["t"] and same_geo and within(envelope, a, b):
+                rr.envelope += 1
+            elif rr.first_divergence is None:
+                dmax, kl = _top_delta(a["top"], b["top"])
+                rr.first_divergence = {"step": step, "what": "token" if a["t"] != b["t"] else
+                                       ("cache geometry" if not same_geo else "logits"),
+                                       "ours_geometry": a.get("g"), "ref_geometry": b.get("g"),
+                                       "ours_token": a["t"], "ref_token": b["t"], "ours_top5": a["top"],
+                                       "ref_top5": b["top"], "max_abs_dlogprob_top5": dmax, "kl_top5": kl}
+        res.rows.append(rr)
+    return res

@@ -1,0 +1,92 @@
+"""Golden files, layered per machine.
+
+* ``goldens/<label>/<case>-b<N>.json``: machine-independent data (the case: prompt ids, arrivals,
+  max_tokens, chunk size, join op) and, optionally, expectations every machine shares.
+* ``goldens/<machine-key>/<label>/<case>-b<N>.json``: this machine's expectations (per row and step:
+  token, logprob-vector hash, top-5) and the envelope the comparison may use.
+* ``goldens/<machine-key>/meta.json``: versions, device and date for that machine key.
+
+A machine-specific file wins over the flat one. ``label`` is the preset name for its own dtype and
+``<name>-bf16`` / ``<name>-fp16`` / ``<name>-fp32`` when another dtype is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from mlxb.parity.protocol import Case
+
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPES = {"fp32": "float32", "f32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+          "fp16": "float16", "f16": "float16", "float16": "float16"}
+
+
+def goldens_root() -> Path:
+    return Path(os.environ.get("MLXB_GOLDENS", Path.cwd() / "goldens"))
+
+
+def label(model: str, dtype: str, native: str) -> str:
+    return model if dtype == native else f"{model}-{SHORT[dtype]}"
+
+
+def paths(root: Path, machine: str, lbl: str, key: str) -> tuple[Path, Path]:
+    return root / lbl / f"{key}.json", root / machine / lbl / f"{key}.json"
+
+
+def load_envelopes(root: Path) -> dict:
+    """Per-model envelopes written by people (``goldens/envelopes.json``), copied into each golden."""
+    p = root / "envelopes.json"
+    return json.loads(p.read_text()).get("models", {}) if p.exists() else {}
+
+
+def read(root: Path, machine: str, lbl: str, key: str) -> Optional[dict]:
+    """Return ``{"case": Case, "records", "envelope", "source"}`` or None when no golden exists."""
+    flat, mine = paths(root, machine, lbl, key)
+    if not flat.exists():
+        return None
+    base = json.loads(flat.read_text())
+    case = Case.from_dict(base["case"])
+    for src in (mine, flat):
+        if src.exists():
+            d = json.loads(src.read_text()) if src is mine else base
+            if "records" in d:
+                if d.get("digest", case.digest()) != case.digest():
+                    raise ValueError(f"{src} was generated for a different case than {flat}; regenerate with --force")
+                return {"case": case, "records": d["records"], "envelope": d.get("envelope"), "source": str(src)}
+    return {"case": case, "records": None, "envelope": None, "source": str(flat)}
+
+
+def write(root: Path, machine: str, lbl: str, case: Case, records: dict, envelope: Optional[dict]) -> None:
+    flat, mine = paths(root, machine, lbl, case.key)
+    flat.parent.mkdir(parents=True, exist_ok=True)
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    flat.write_text(json.dumps({"case": case.to_dict(), "digest": case.digest()}, separators=(",", ":")) + "\n")
+    mine.write_text(json.dumps({"digest": case.digest(), "envelope": envelope, "records": records},
+                               separators=(",", ":")) + "\n")
+
+
+def write_meta(root: Path, machine: str, info: dict) -> None:
+    p = root / machine / "meta.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    meta = json.loads(p.read_text()) if p.exists() else {}
+    meta.update(info, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def diff(old: dict, new: dict) -> list[str]:
+    """Human lines saying what changed between two record sets."""
+    lines = []
+    for key in sorted(set(old) | set(new), key=int):
+        a, b = old.get(key, []), new.get(key, [])
+        if len(a) != len(b):
+            lines.append(f"row {key}: {len(a)} -> {len(b)} steps")
+        for s, (x, y) in enumerate(zip(a, b)):
+            if x["t"] != y["t"] or x["h"] != y["h"]:
+                what = "token" if x["t"] != y["t"] else "logits"
+                lines.append(f"row {key} step {s}: {what} changed ({x['t']} -> {y['t']})")
+                break
+    return lines

@@ -1,0 +1,36 @@
+"""``python -m mlxb.oracle CASES.jsonl OUT.json``: run parity cases with mlx-lm in this process.
+
+The parity command starts this in its own process, so nothing the engine under test did (its
+stream, its caches, its compiled graphs) can leak into the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mlxb.models import load_model
+from mlxb.oracle.reference import run_case
+from mlxb.parity.protocol import Case
+
+
+def main(argv: list[str]) -> int:
+    src, dst = argv
+    cases = [Case.from_dict(json.loads(line)) for line in open(src) if line.strip()]
+    models: dict = {}
+    out = []
+    for i, case in enumerate(cases):
+        mkey = (case.model, case.dtype)
+        if mkey not in models:
+            models.clear()  # one model resident at a time
+            models[mkey] = load_model(case.model, case.dtype)[0]
+        res = run_case(models[mkey], case)
+        out.append({"digest": case.digest(), **res})
+        print(f"oracle {i + 1}/{len(cases)}", file=sys.stderr, flush=True)
+    with open(dst, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

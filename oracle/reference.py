@@ -1,0 +1,108 @@
+"""Execute a parity case's plan with mlx-lm alone.
+
+No mlxb engine code is imported here: the model is mlx-lm's, caches are mlx-lm's, and every row
+operation is the cache class's own ``merge`` / ``extend`` / ``filter`` / ``extract`` (the calls
+mlx-lm's ``BatchGenerator`` is built from). The loop is plain and unpipelined: each forward is
+evaluated and read before the next one is built. The oracle sees the case's inputs and the plan's
+row/step identities, never the engine's outputs.
+
+Per row and step it records the greedy token, the sha256 of the float32 log-softmax vector over the
+whole vocabulary (the logits normalized exactly as the engine normalizes them), and the top-5
+(id, logprob) pairs for diagnostics.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from mlxb.parity.protocol import Case, plan, step_record
+
+
+def record(token: int, logprobs: mx.array, geo=None) -> dict:
+    return step_record(token, np.array(logprobs.reshape(-1).astype(mx.float32)), geo)
+
+
+def _geo_layer(caches: list):
+    """Index of the first plain full-attention (or latent) layer, or None."""
+    return next((i for i, c in enumerate(caches) if type(c) is KVCache), None)
+
+
+def _geometry(c) -> list:
+    if type(c) is KVCache:
+        return [(int(c.offset), 0)]
+    return [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
+
+
+def _join(batch: list, solo: list, full_op: str) -> list:
+    out = []
+    for b, s in zip(batch, solo):
+        if isinstance(s, RotatingKVCache) or (isinstance(s, KVCache) and full_op == "merge"):
+            rows = [b.extract(i) for i in range(len(b.offset))]
+            out.append(type(s).merge(rows + [s]))  # re-merge every row's temporal view
+        else:  # full / latent extend, SSM state concatenation
+            b.extend(type(s).merge([s]))
+            out.append(b)
+    return out
+
+
+def run_case(model, case: Case) -> dict:
+    """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
+    rows = case.rows
+    solo: dict[int, list] = {}
+    caches, merged, batch = None, False, []
+    last_tok: dict[int, int] = {}
+    records: dict[int, list] = {i: [] for i in range(len(rows))}
+    n_fwd = 0
+    gl = _geo_layer(make_prompt_cache(model))
+    for it in plan(case):
+        for ch in it.prefills:
+            r = ch.row
+            if r not in solo:
+                solo[r] = make_prompt_cache(model)
+            if ch.end > ch.start:
+                model(mx.array(rows[r].prompt[ch.start : ch.end])[None], cache=solo[r])
+                mx.eval([c.state for c in solo[r]])
+            if ch.is_last:
+                logits = model(mx.array(rows[r].prompt[-1:], dtype=mx.uint32)[None], cache=solo[r])[:, -1, :]
+                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                tok = int(mx.argmax(lp, axis=-1).item())
+                g = _geo_layer(solo[r])
+                records[r].append(record(tok, lp, None if g is None else _geometry(solo[r][g])[0]))
+                last_tok[r] = tok
+        for r in it.joins:
+            if not batch:
+                caches, merged = solo.pop(r), False  # adopted alone: plain single-row caches
+            else:
+                if not merged:
+                    caches = [type(c).merge([c]) for c in caches]
+                    merged = True
+                caches = _join(caches, solo.pop(r), case.join_full)
+            batch.append(r)
+        if it.forward:
+            assert batch == it.forward, (batch, it.forward)
+            inputs = mx.array([last_tok[r] for r in batch], dtype=mx.uint32)[:, None]
+            logits = model(inputs, cache=caches)[:, -1, :]
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            toks = mx.argmax(lp, axis=-1)
+            mx.eval(toks, lp)
+            n_fwd += 1
+            values = toks.tolist()
+            geo = [None] * len(batch) if gl is None else _geometry(caches[gl])
+            for i, r in enumerate(batch):
+                if r in it.emits:
+                    assert it.emits[r] == len(records[r])
+                    records[r].append(record(values[i], lp[i : i + 1], geo[i]))
+                    last_tok[r] = values[i]
+            if it.retire:
+                keep = [i for i, r in enumerate(batch) if r not in it.retire]
+                batch = [batch[i] for i in keep]
+                if not batch:
+                    caches, merged = None, False
+                elif merged:
+                    for c in caches:
+                        c.filter(keep)
+    for r, spec in enumerate(rows):
+        assert len(records[r]) == spec.max_tokens, (r, len(records[r]), spec.max_tokens)
+    return {"records": {str(r): v for r, v in records.items()}, "forwards": n_fwd}
