@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from mlxb.commands import bench, doctor, generate, golden_gen, models, parity, report, serve
+from mlxb.commands import bench, doctor, generate, models, parity, report, serve
 
 app = typer.Typer(
     name="mlxb",
@@ -19,7 +19,7 @@ app = typer.Typer(
 app.command("serve")(serve.serve)
 app.command("generate")(generate.generate)
 app.command("parity")(parity.parity)
-app.command("golden-gen")(golden_gen.golden_gen)
+app.command("golden-gen")(parity.golden_gen)
 app.add_typer(bench.app, name="bench")
 app.command("report")(report.report)
 app.add_typer(models.app, name="models")

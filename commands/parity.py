@@ -1,8 +1,176 @@
-"""`mlxb parity` (placeholder until the parity issue lands)."""
+"""`mlxb parity` and `mlxb golden-gen`: the engine against mlx-lm's batch mode at the same B."""
 
-from mlxb.commands._common import not_implemented
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mlxb.commands._common import DtypeOpt, JsonOpt, cli_errors, console
+
+TINY_DTYPES = ("float32", "bfloat16")
+
+ModelsOpt = typer.Option(None, "--model", "-m", help="Model(s): preset, alias, folder or HF id (repeatable). Default: tiny-llama.")
+BOpt = typer.Option("1,2,3,4", "--b", help="Batch sizes (the cap B), comma-separated.")
+CaseOpt = typer.Option(None, "--case", "-c", help="Case(s): static join leave extend merge ring ssm latent (repeatable; default all that apply).")
+GoldensOpt = typer.Option(None, "--goldens", help="Goldens folder (default: the checkout's goldens/).")
 
 
-def parity() -> None:
-    """Gate the engine against mlx-lm's batch mode (not implemented yet)."""
-    not_implemented("parity", "issue 5")
+def _root(goldens: Optional[Path]) -> Path:
+    if goldens:
+        return goldens
+    import mlxb
+
+    repo = Path(mlxb.__file__).resolve().parent.parent / "goldens"
+    return repo if repo.is_dir() else Path.cwd() / "goldens"
+
+
+def _bs(b: str) -> list[int]:
+    from mlxb.errors import ValidationError
+
+    try:
+        bs = [int(x) for x in b.split(",") if x.strip()]
+    except ValueError:
+        bs = []
+    if not bs or min(bs) < 1:
+        raise ValidationError(f"--b {b!r}: give batch sizes >= 1, comma-separated, e.g. --b 4 or --b 1,2,3,4")
+    return bs
+
+
+def _targets(models, dtype, all_):
+    from mlxb.models.presets import PRESETS
+    from mlxb.parity.run import target
+
+    if all_:
+        tiny = [n for n, p in PRESETS.items() if "tiny" in p.tags]
+        return [target(m, d) for d in TINY_DTYPES for m in tiny]
+    return [target(m, dtype) for m in (models or ["tiny-llama"])]
+
+
+def _progress():
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+def _tracker(prog: Progress, prefix: str):
+    tasks: dict = {}
+
+    def cb(phase: str, done: int, total: int) -> None:
+        name = f"{prefix} {phase}"
+        if name not in tasks:
+            tasks[name] = prog.add_task(name, total=total)
+        prog.update(tasks[name], completed=done, total=total)
+
+    return cb
+
+
+@cli_errors
+def parity(
+    models: Optional[list[str]] = ModelsOpt,
+    b: str = BOpt,
+    cases: Optional[list[str]] = CaseOpt,
+    dtype: DtypeOpt = None,
+    against: str = typer.Option("both", "--against", help="live (mlx-lm oracle now) | golden (this machine's goldens) | both"),
+    all_: bool = typer.Option(False, "--all", help="Every tiny preset x case x B, in float32 and bfloat16."),
+    goldens: Optional[Path] = GoldensOpt,
+    json_out: JsonOpt = False,
+    plant_fault: Optional[str] = typer.Option(None, "--plant-fault", hidden=True,
+                                              help="Test only: plant a known engine bug (negative controls)."),
+) -> None:
+    """Run the engine under the parity protocol and compare every row-step with mlx-lm's batch mode."""
+    from mlxb.doctor import machine_key
+    from mlxb.engine.runner import FAULTS
+    from mlxb.errors import ValidationError
+    from mlxb.parity.run import build_cases, parity as run_parity
+
+    if plant_fault and plant_fault not in FAULTS:
+        raise ValidationError(f"--plant-fault {plant_fault!r}: one of {', '.join(FAULTS)}")
+    faults = frozenset([plant_fault]) if plant_fault else frozenset()
+    root, machine, bs = _root(goldens), machine_key(), _bs(b)
+    results = []
+    with _progress() as prog:
+        for t in _targets(models, dtype, all_):
+            cs = build_cases(t, bs, cases)
+            if cs:
+                results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label))
+    ok = all(r.ok for r in results) and bool(results)
+    if json_out:
+        print(json.dumps({"ok": ok, "machine_key": machine, "results": [r.to_dict() for r in results]}))
+    else:
+        _render(results, machine, root)
+    raise typer.Exit(0 if ok else 1)
+
+
+def _render(results, machine: str, root: Path) -> None:
+    per_row = sum(len(r.rows) for r in results) <= 120
+    t = Table(title=f"mlxb parity on {machine} (goldens: {root})")
+    for c in ("model", "case", "vs", "row" if per_row else "rows", "steps", "exact", "envelope", "diverged", "result"):
+        t.add_column(c, no_wrap=c in ("model", "case"))
+    fails = []
+    for r in results:
+        if r.error or r.schedule_mismatch:
+            msg = r.error or f"schedule differs from the plan at iteration {r.schedule_mismatch['iteration']}"
+            t.add_row(*r.label.split(), r.against.split(":")[0], "-", "-", "-", "-", "-", f"[red]{msg}[/]")
+            fails.append(r)
+        units = r.rows if per_row else [None]
+        for row in units:
+            rows = [row] if row is not None else r.rows
+            steps = sum(x.steps for x in rows)
+            exact = sum(x.exact for x in rows)
+            env = sum(x.envelope for x in rows)
+            div = sum(1 for x in rows if not x.ok)
+            good = all(x.ok for x in rows)
+            t.add_row(*r.label.split(), r.against.split(":")[0], str(row.row) if row is not None else str(len(rows)), str(steps),
+                      str(exact), str(env), str(div), "[green]pass[/]" if good else "[red]FAIL[/]")
+        if not all(x.ok for x in r.rows) and r not in fails:
+            fails.append(r)
+    console.print(t)
+    envs = {r.label.split()[0]: r.envelope for r in results if r.envelope}
+    for lbl, env in envs.items():
+        console.print(f"envelope {lbl}: max |dlogprob| {env['max_abs_logprob']}, KL(top-5) {env['kl_top5']}")
+    tot = {k: sum(r.counts()[k] for r in results) for k in ("steps", "exact", "envelope")}
+    console.print(f"{len(results)} comparisons, {tot['steps']} row-steps: {tot['exact']} exact, "
+                  f"{tot['envelope']} within envelope, {len(fails)} case(s) failed")
+    for r in fails[:10]:
+        for row in r.rows:
+            d = row.first_divergence
+            if d:
+                console.print(f"[red]{r.label} ({r.against}) row {row.row}: first divergence at step {d['step']} "
+                              f"({d['what']})[/]\n  ours: token {d['ours_token']} geometry {d['ours_geometry']} "
+                              f"top5 {d['ours_top5']}\n  ref:  token {d['ref_token']} geometry {d['ref_geometry']} "
+                              f"top5 {d['ref_top5']}")
+                break
+        if r.schedule_mismatch:
+            console.print(f"[red]{r.label}: schedule mismatch {r.schedule_mismatch}[/]")
+
+
+@cli_errors
+def golden_gen(
+    models: Optional[list[str]] = ModelsOpt,
+    b: str = BOpt,
+    cases: Optional[list[str]] = CaseOpt,
+    dtype: DtypeOpt = None,
+    all_: bool = typer.Option(False, "--all", help="Every tiny preset x case x B, in float32 and bfloat16."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing goldens and print what changed."),
+    goldens: Optional[Path] = GoldensOpt,
+) -> None:
+    """Run the mlx-lm oracle and write goldens for this machine key."""
+    from mlxb.doctor import machine_key
+    from mlxb.parity.run import build_cases, golden_gen as gen
+
+    root, machine, bs = _root(goldens), machine_key(), _bs(b)
+    counts: dict = {}
+    with _progress() as prog:
+        for t in _targets(models, dtype, all_):
+            cs = build_cases(t, bs, cases)
+            for item in gen(t, cs, root, machine, force, _tracker(prog, t.label)):
+                counts[item["status"]] = counts.get(item["status"], 0) + 1
+                if item["changes"]:
+                    console.print(f"[yellow]{t.label} {item['case']}[/] changed:")
+                    for line in item["changes"][:10]:
+                        console.print(f"  {line}")
+    console.print(f"goldens for {machine} under {root}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))

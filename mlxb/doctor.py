@@ -40,7 +40,9 @@ def loaded_blas() -> str:
     try:
         for line in open("/proc/self/maps"):
             path = line.split()[-1]
-            if "blas" in path.lower() and ".so" in path:
+            low = path.lower()
+            # numpy/scipy wheels map their own OpenBLAS; it is not the one MLX calls
+            if "blas" in low and ".so" in low and "numpy" not in low and "scipy" not in low:
                 libs.append(path)
     except OSError:
         return "unknown"
@@ -100,6 +102,8 @@ def device_info() -> dict:
 
 def machine_key() -> str:
     """Key under which this machine's goldens live, e.g. ``cpu-x86_64-intel-xeon-netlib``."""
+    import mlx.core  # noqa: F401  (maps the BLAS into the process so loaded_blas can name it)
+
     dev = device_info()
     if dev["backend"] == "cuda":
         return "cuda-" + _slug(dev.get("gpu_name", "gpu")).replace("nvidia-", "")

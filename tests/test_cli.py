@@ -42,6 +42,10 @@ def test_doctor_json():
     assert facts["machine_key"] and facts["blas"] and facts["versions"]["mlx"]
 
 
-def test_unbuilt_command_exits_2():
-    r = runner.invoke(app, ["parity"])
-    assert r.exit_code == 2 and "not implemented yet" in r.output
+def test_parity_bad_input_names_the_fix():
+    r = runner.invoke(app, ["parity", "--b", "0"])
+    assert r.exit_code == 2 and "--b" in r.output and "e.g. --b 4" in r.output
+    r = runner.invoke(app, ["parity", "-c", "sideways"])
+    assert r.exit_code == 2 and "unknown case" in r.output and "static" in r.output
+    r = runner.invoke(app, ["parity", "--against", "psychic", "--b", "1", "-c", "static"])
+    assert r.exit_code == 2 and "live, golden or both" in r.output

@@ -1,7 +1,8 @@
 """Golden files, layered per machine.
 
 * ``goldens/<label>/<case>-b<N>.json``: machine-independent data (the case: prompt ids, arrivals,
-  max_tokens, chunk size, join op) and, optionally, expectations every machine shares.
+  max_tokens, chunk size, join op) and the expectations every machine shares: per row and step the
+  greedy token and the cache geometry (no logit hashes: those depend on the backend and BLAS).
 * ``goldens/<machine-key>/<label>/<case>-b<N>.json``: this machine's expectations (per row and step:
   token, logprob-vector hash, top-5) and the envelope the comparison may use.
 * ``goldens/<machine-key>/meta.json``: versions, device and date for that machine key.
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from mlxb.errors import ValidationError
 from mlxb.parity.protocol import Case
 
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -55,16 +57,24 @@ def read(root: Path, machine: str, lbl: str, key: str) -> Optional[dict]:
             d = json.loads(src.read_text()) if src is mine else base
             if "records" in d:
                 if d.get("digest", case.digest()) != case.digest():
-                    raise ValueError(f"{src} was generated for a different case than {flat}; regenerate with --force")
-                return {"case": case, "records": d["records"], "envelope": d.get("envelope"), "source": str(src)}
-    return {"case": case, "records": None, "envelope": None, "source": str(flat)}
+                    raise ValidationError(f"{src} was generated for a different case than {flat}; "
+                                          "regenerate with `mlxb golden-gen --force`")
+                return {"case": case, "records": d["records"], "envelope": d.get("envelope"), "source": str(src),
+                        "level": "machine" if src is mine else "shared"}
+    return {"case": case, "records": None, "envelope": None, "source": str(flat), "level": None}
 
 
 def write(root: Path, machine: str, lbl: str, case: Case, records: dict, envelope: Optional[dict]) -> None:
     flat, mine = paths(root, machine, lbl, case.key)
     flat.parent.mkdir(parents=True, exist_ok=True)
     mine.parent.mkdir(parents=True, exist_ok=True)
-    flat.write_text(json.dumps({"case": case.to_dict(), "digest": case.digest()}, separators=(",", ":")) + "\n")
+    shared = {k: [{"t": s["t"], "g": s["g"]} for s in v] for k, v in records.items()}
+    if flat.exists():  # keep the first machine's shared expectations; a second machine only adds its own
+        old = json.loads(flat.read_text())
+        if old.get("digest") == case.digest() and "records" in old:
+            shared = old["records"]
+    flat.write_text(json.dumps({"case": case.to_dict(), "digest": case.digest(), "records": shared},
+                               separators=(",", ":")) + "\n")
     mine.write_text(json.dumps({"digest": case.digest(), "envelope": envelope, "records": records},
                                separators=(",", ":")) + "\n")
 
@@ -73,7 +83,8 @@ def write_meta(root: Path, machine: str, info: dict) -> None:
     p = root / machine / "meta.json"
     p.parent.mkdir(parents=True, exist_ok=True)
     meta = json.loads(p.read_text()) if p.exists() else {}
-    meta.update(info, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    generated = {**meta.get("generated", {}), **info.pop("generated", {})}
+    meta.update(info, generated=generated, updated=time.strftime("%Y-%m-%dT%H:%M:%S"))
     p.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 

@@ -1,0 +1,97 @@
+"""Parity tier: the engine against mlx-lm's batch mode and the committed goldens, plus negative controls."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxb.parity.protocol import Case, RowSpec, make_case, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.parity
+
+
+def mlxb(*args, goldens=None):
+    cmd = [sys.executable, "-m", "mlxb.commands.main", *args]
+    if goldens is not None:
+        cmd += ["--goldens", str(goldens)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, COLUMNS="200"))
+
+
+def test_plan_pipelined_retire_and_waiting_row():
+    c = Case("m", "float32", "leave", 2, 0, [RowSpec([5] * 6, 2, 0), RowSpec([6] * 4, 3, 0), RowSpec([7] * 3, 2, 0)])
+    its = plan(c)
+    assert [(ch.row, ch.start, ch.end, ch.is_last) for ch in its[0].prefills] == [(0, 0, 5, True), (1, 0, 3, True)]
+    assert its[0].forward == [0, 1] and its[0].emits == {0: 1, 1: 1}
+    # row 0's last token came from forward 0; forward 1 is its lookahead, then it leaves
+    assert its[1].forward == [0, 1] and its[1].emits == {1: 2} and its[1].retire == [0]
+    # row 2 waited for the cap and joins after row 0 left
+    assert [ch.row for ch in its[2].prefills] == [2] and its[2].forward == [1, 2] and its[2].retire == [1]
+    assert its[-1].retire == [2]
+
+
+def test_cases_are_deterministic_and_distinct():
+    a, b = make_case("tiny-llama", "float32", "join", 3), make_case("tiny-llama", "float32", "join", 3)
+    assert a.digest() == b.digest()
+    assert make_case("tiny-llama", "float32", "join", 3, seed=1).digest() != a.digest()
+    ring = make_case("tiny-gemma3", "float32", "ring", 4)
+    assert all(len(r.prompt) > 64 for r in ring.rows) and ring.rows[-1].arrive > 0
+
+
+def test_oracle_imports_no_engine_code():
+    code = ("import sys, mlxb.oracle.reference, mlxb.oracle.__main__; "
+            "print(any(m.startswith(('mlxb.engine', 'mlxb.cache')) for m in sys.modules))")
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
+
+
+def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
+    r = mlxb("parity", "--all", "--against", "both", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    res = out["results"]
+    assert out["ok"] and all(x["ok"] for x in res)
+    live = [x for x in res if x["against"] == "live"]
+    gold = [x for x in res if x["against"].startswith("golden")]
+    assert len(live) == len(gold) == 272  # 6 presets x (5 + special) cases x B=1..4 x 2 dtypes
+    assert sum(x["steps"] for x in live) > 7000
+    assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
+    if (ROOT / "goldens" / out["machine_key"]).is_dir():
+        assert all(x["against"] == "golden:machine" for x in gold)
+
+
+@pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
+                                        ("double_last_token", "static")])
+def test_negative_control_fails(fault, case):
+    r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", case, "--against", "both", "--plant-fault", fault)
+    assert r.returncode == 1, r.stdout
+    assert "FAIL" in r.stdout and "first divergence" in r.stdout
+
+
+def test_clean_run_of_the_same_cases_passes():
+    r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", "join", "-c", "leave", "-c", "static")
+    assert r.returncode == 0, r.stdout
+
+
+def test_golden_gen_refuses_overwrite_and_reports_changes(tmp_path):
+    g = tmp_path / "g"
+    assert mlxb("golden-gen", "-m", "tiny-llama", "--b", "2", "-c", "join", goldens=g).returncode == 0
+    again = mlxb("golden-gen", "-m", "tiny-llama", "--b", "2", "-c", "join", goldens=g)
+    assert "kept (exists; use --force)" in again.stdout.replace("\n", " ")
+    machine = [p for p in g.iterdir() if p.is_dir() and p.name.startswith(("cpu-", "cuda-", "apple-"))][0]
+    f = machine / "tiny-llama" / "join-b2.json"
+    d = json.loads(f.read_text())
+    d["records"]["1"][3]["h"] = "0" * 64  # a golden that disagrees with the engine
+    f.write_text(json.dumps(d))
+    bad = mlxb("parity", "-m", "tiny-llama", "--b", "2", "-c", "join", "--against", "golden", goldens=g)
+    assert bad.returncode == 1 and "row 1: first divergence at step 3 (logits)" in bad.stdout
+    fixed = mlxb("golden-gen", "-m", "tiny-llama", "--b", "2", "-c", "join", "--force", goldens=g)
+    assert "row 1 step 3: logits changed" in fixed.stdout and "1 CHANGED" in fixed.stdout
+
+
+def test_missing_golden_is_an_error_not_a_pass(tmp_path):
+    r = mlxb("parity", "-m", "tiny-llama", "--b", "2", "-c", "join", "--against", "golden", goldens=tmp_path)
+    assert r.returncode == 1 and "no golden" in r.stdout
