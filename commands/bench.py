@@ -9,21 +9,178 @@ from typing import Optional
 
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, not_implemented
+from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
 
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
 
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+def _tokenizer_and_path(model: Optional[str], dtype: Optional[str]):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxb.models.registry import model_path, resolve_model
+
+    spec = resolve_model(model, dtype)
+    path = model_path(spec)
+    cfg = json.loads((path / "config.json").read_text())
+    vocab = int(cfg.get("text_config", cfg).get("vocab_size", 8192))
+    return spec, path, load_tokenizer(path), vocab
+
+
+def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, cells, dtype, bench_name, api_key=None):
+    """Start what is needed, run the matrix on every stack, stop what we started, store and print."""
+    from mlxb.bench import servers
+    from mlxb.bench.features import Target, run_matrix
+    from mlxb.bench.store import labels, write_run
+
+    started, targets = [], []
+    try:
+        with console.status("starting servers ..."):
+            if base_url:
+                targets.append(Target("mlxb", base_url, str(path), f"external {base_url}"))
+            else:
+                srv = servers.start("mlxb", str(path), batch=batch)
+                started.append(srv)
+                targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags)))
+            if peer:
+                srv = servers.start(peer, str(path), batch=batch)
+                started.append(srv)
+                targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
+        with _progress() as prog:
+            task = prog.add_task("load", total=None)
+            req_rows, summ_rows = run_matrix(
+                matrix, targets, tok, vocab, scale=scale, cells=cells,
+                progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total))
+    finally:
+        for srv in started:
+            srv.stop()
+    lab = labels(spec.name, dtype or spec.dtype, bench_name)
+    out = write_run(Path("reports/results"), lab, req_rows, summ_rows)
+    _print_summary(summ_rows)
+    console.print(f"wrote {out}/summary.parquet, requests.parquet, summary.json")
+    return summ_rows
+
+
+def _print_summary(rows) -> None:
+    t = Table(title="aggregate output tok/s and TTFT (per run)")
+    for c in ("cell", "stack", "conc", "rep", "status", "tok/s", "req/s", "p50 ttft", "p95 ttft", "p50 tpot", "failed"):
+        t.add_column(c)
+    f = lambda v, n=3: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
+    for r in rows:
+        t.add_row(r["cell"], r["stack"], str(r["concurrency"]), str(r["repeat"]), r["status"],
+                  f(r.get("output_throughput"), 1), f(r.get("request_throughput"), 2), f(r.get("p50_ttft")),
+                  f(r.get("p95_ttft")), f(r.get("p50_tpot"), 4), str(r.get("failed", "-")))
+    console.print(t)
+
+
 @app.command("load")
-def load() -> None:
-    """Load client against an OpenAI-compatible server (not implemented yet)."""
-    not_implemented("bench load", "issue 6")
+@cli_errors
+def load(
+    base_url: Optional[str] = typer.Option(None, "--base-url", help="A running OpenAI-compatible server (.../v1). Default: start `mlxb serve` on --model."),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder (mlx-lm) and run the identical load, A/B alternated."),
+    dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | FILE.jsonl"),
+    concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
+    requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
+    rate: Optional[float] = typer.Option(None, "--rate", help="Open loop: requests per second (Poisson/gamma arrivals)."),
+    burstiness: float = typer.Option(1.0, "--burstiness", help="Open loop: gamma shape (1 = Poisson, <1 burstier)."),
+    duration: float = typer.Option(20.0, "--duration", help="Open loop: seconds of arrivals."),
+    input_len: int = typer.Option(128, "--input-len", min=1),
+    output_len: int = typer.Option(64, "--output-len", min=1),
+    system_len: int = typer.Option(1024, "--system-len", help="shared-prefix: system prompt tokens."),
+    groups: int = typer.Option(1, "--groups", help="shared-prefix: distinct system prompts."),
+    repeats: int = typer.Option(1, "--repeats", min=1),
+    batch: int = typer.Option(8, "--batch", help="--batch / --decode-concurrency given to servers this command starts."),
+    ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Ask for exactly output-len tokens (mlxb honours it; mlx_lm.server has no such field)."),
+    ttft_threshold: float = typer.Option(2.0, "--ttft-threshold", help="Saturation knee: highest load with p95 TTFT under this (s)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key"),
+) -> None:
+    """Load an OpenAI-compatible server over streaming SSE; optionally the same load on mlx_lm.server."""
+    import asyncio
+
+    from mlxb.bench import load as L
+    from mlxb.bench.matrix import Cell, Matrix
+    from mlxb.bench.store import labels, write_run
+    from mlxb.errors import ValidationError
+
+    if peer and peer not in ("mlx-lm",):
+        raise ValidationError(f"--peer {peer!r}: the supported peer is mlx-lm")
+    try:
+        levels = [int(c) for c in concurrency.split(",")]
+    except ValueError:
+        raise ValidationError(f"--concurrency {concurrency!r}: give integers, e.g. 1,2,4,8") from None
+    spec, path, tok, vocab = _tokenizer_and_path(model, dtype)
+    if rate is not None:  # open loop: one stack, one run
+        if peer:
+            raise ValidationError("--rate (open loop) runs one stack; drop --peer or use closed loop")
+        if not base_url:
+            raise ValidationError("--rate needs --base-url of a running server")
+        if dataset.endswith(".jsonl"):
+            ds = L.jsonl_dataset(dataset, default_max_tokens=output_len)
+        else:
+            ds = L.random_dataset(tok, max(1, int(rate * duration * 2)), input_len, output_len, vocab)
+        with console.status(f"open loop: {rate}/s for {duration}s ..."):
+            res = asyncio.run(L.run_load(base_url, str(path), ds, rate=rate, burstiness=burstiness, duration=duration,
+                                         ignore_eos=ignore_eos, api_key=api_key))
+        s = L.summarize(res)
+        row = {"cell": f"open-{dataset}", "stack": stack, "concurrency": 0, "repeat": 0, "rate": rate,
+               "burstiness": burstiness, "status": "ok" if s["failed"] == 0 else "errors", **s}
+        out = write_run(Path("reports/results"), labels(spec.name, dtype or spec.dtype, "load"),
+                        [{"cell": row["cell"], "stack": stack, **r.to_row()} for r in res], [row])
+        _print_summary([row])
+        console.print(f"wrote {out}")
+        return
+    if dataset.endswith(".jsonl"):
+        raise ValidationError("closed loop with a JSONL file: use --rate for files, or --dataset random|shared-prefix")
+    if dataset == "random":
+        cell = Cell("load-random", "random", {"input_len": input_len}, concurrency=levels, output_len=output_len)
+    elif dataset == "shared-prefix":
+        cell = Cell("load-shared-prefix", "shared-prefix", {"system_len": system_len, "question_len": 64, "groups": groups},
+                    concurrency=levels, output_len=output_len)
+    else:
+        raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix or a .jsonl file")
+    cell.requests = requests
+    rows = _run_stacks(Matrix("cli", [cell], repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
+                       dtype, "load")
+    for st in sorted({r["stack"] for r in rows}):
+        pts = [(r["concurrency"], r.get("p95_ttft")) for r in rows if r["stack"] == st and r["status"] != "unsupported"]
+        console.print(f"saturation knee for {st} (p95 TTFT <= {ttft_threshold}s): concurrency {L.knee(pts, ttft_threshold)}")
 
 
 @app.command("features")
-def features() -> None:
-    """Feature matrix vs a peer stack (not implemented yet)."""
-    not_implemented("bench features", "issue 6")
+@cli_errors
+def features(
+    matrix: Path = typer.Option(Path("matrices/features.toml"), "--matrix", help="Feature matrix TOML."),
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm."),
+    cells: Optional[list[str]] = typer.Option(None, "--cell", help="Only these cells (repeatable)."),
+    scale: float = typer.Option(1.0, "--scale", help="Multiply the matrix's prompt lengths (e.g. 0.25 on a small CPU); recorded in every row."),
+    repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),
+    batch: int = typer.Option(8, "--batch"),
+) -> None:
+    """Run the composition matrix against `mlxb serve` (and a peer), storing labelled Parquet results."""
+    from mlxb.bench.matrix import parse
+    from mlxb.errors import ValidationError
+
+    if peer and peer != "mlx-lm":
+        raise ValidationError(f"--peer {peer!r}: the supported peer is mlx-lm")
+    m = parse(matrix)
+    if repeats:
+        m.repeats = repeats
+    unknown = [c for c in cells or [] if c not in {x.name for x in m.cells}]
+    if unknown:
+        raise ValidationError(f"--cell {', '.join(unknown)}: not in {matrix} (cells: {', '.join(x.name for x in m.cells)})")
+    spec, path, tok, vocab = _tokenizer_and_path(model, dtype)
+    _run_stacks(m, spec, path, tok, vocab, None, peer, batch, scale, cells, dtype, "features")
 
 
 @app.command("engine")

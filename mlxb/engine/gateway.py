@@ -35,6 +35,7 @@ class GenerationInput:
     stop: Optional[list[str]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     request_id: Optional[str] = None
+    ignore_eos: bool = False  # vLLM's extension: decode exactly max_tokens (benchmarks)
 
 
 class Gateway:
@@ -138,7 +139,8 @@ class Gateway:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
             raise ValidationError("stop must be a string or a list of at most 16 strings", param="stop")
         ids = self.tokenize(inp)
-        req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop)
+        req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
+                      ignore_eos=inp.ignore_eos)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)
         return req

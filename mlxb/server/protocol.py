@@ -103,7 +103,8 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     stream_opts = _get(body, "stream_options", dict, {}) or {}
     inp = GenerationInput(messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                           sampling=sp, stop=[stop] if isinstance(stop, str) else stop,
-                          chat_template_kwargs=_get(body, "chat_template_kwargs", dict, None))
+                          chat_template_kwargs=_get(body, "chat_template_kwargs", dict, None),
+                          ignore_eos=_get(body, "ignore_eos", bool, False))
     opts = {
         "stream": _get(body, "stream", bool, False),
         "include_usage": bool(stream_opts.get("include_usage", False)),

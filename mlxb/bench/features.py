@@ -1,0 +1,104 @@
+"""Run a feature matrix (or one ad-hoc cell) against one or more stacks, A/B alternated.
+
+For each cell x concurrency x repeat, every stack runs the identical closed-loop load; the stack
+order flips every repeat (A B, B A, ...) so drift hits both. Before a stack's first run of a cell,
+one short probe request checks that it can serve the cell at all: a 4xx or a refused feature
+records the cell as ``unsupported`` for that stack (with the reason), never a silent skip. Gates
+(e.g. ``top_logprobs_5``) are checked on every response and recorded per summary row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from mlxb.bench import load as L
+from mlxb.bench.matrix import Cell, Matrix
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class Target:
+    stack: str
+    base_url: str
+    model: str  # the model id to send
+    flags: str = ""
+
+
+def dataset_for(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int) -> L.Dataset:
+    ln = {k: max(1, int(round(v * scale))) if k.endswith("_len") and k != "question_len" else v
+          for k, v in cell.lengths.items()}
+    extra = dict(cell.params)
+    if cell.dataset == "random":
+        return L.random_dataset(tokenizer, n, ln["input_len"], cell.output_len, vocab, seed, extra)
+    if cell.dataset == "shared-prefix":
+        groups = ln.get("groups", 1)
+        return L.shared_prefix_dataset(tokenizer, groups, max(1, -(-n // groups)), ln["system_len"],
+                                       ln["question_len"], cell.output_len, vocab, seed, extra)
+    return L.mixed_dataset(tokenizer, n, ln["short_len"], ln["long_len"], cell.output_len, vocab, seed, extra)
+
+
+def gate_results(cell: Cell, results: list[L.RequestResult]) -> dict:
+    out = {}
+    ok = [r for r in results if r.ok]
+    for g in cell.gates:
+        if g == "top_logprobs_5":
+            out[g] = bool(ok) and all(r.logprob_tokens > 0 and (r.min_top_logprobs or 0) >= 5 for r in ok)
+    return out
+
+
+async def _probe(t: Target, ds: L.Dataset) -> Optional[str]:
+    """None if the stack serves one short request of this cell; else the reason it cannot."""
+    probe = L.Dataset(ds.name, [dict(ds.payloads[0], max_tokens=2)])
+    res = await L.run_load(t.base_url, t.model, probe, concurrency=1, n_requests=1)
+    r = res[0]
+    if r.ok:
+        return None
+    return r.error or "failed"
+
+
+def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, scale: float = 1.0,
+               ignore_eos: bool = True, seed: int = 0, progress: Optional[Progress] = None,
+               cells: Optional[list[str]] = None) -> tuple[list[dict], list[dict]]:
+    """Returns (request rows, summary rows)."""
+    chosen = [c for c in matrix.cells if not cells or c.name in cells]
+    total = sum(len(c.concurrency) for c in chosen) * matrix.repeats * len(targets)
+    done = 0
+    req_rows: list[dict] = []
+    summ_rows: list[dict] = []
+    for cell in chosen:
+        unsupported: dict[str, str] = {}
+        probed: set[str] = set()
+        for conc in cell.concurrency:
+            n = cell.requests or conc * cell.requests_per_slot
+            ds = dataset_for(cell, tokenizer, n, vocab, scale, seed)
+            for rep in range(matrix.repeats):
+                order = targets if rep % 2 == 0 else list(reversed(targets))
+                for t in order:
+                    base = {"cell": cell.name, "stack": t.stack, "concurrency": conc, "repeat": rep,
+                            "dataset": cell.dataset, "scale": scale, "server_flags": t.flags,
+                            "needs": ",".join(cell.needs), "params": str(cell.params)}
+                    if t.stack not in probed:
+                        probed.add(t.stack)
+                        reason = asyncio.run(_probe(t, ds))
+                        if reason:
+                            unsupported[t.stack] = reason
+                    if t.stack in unsupported:
+                        summ_rows.append({**base, "status": "unsupported", "reason": unsupported[t.stack]})
+                    else:
+                        res = asyncio.run(L.run_load(t.base_url, t.model, ds, concurrency=conc, n_requests=n,
+                                                     ignore_eos=ignore_eos and t.stack == "mlxb", seed=seed))
+                        s = L.summarize(res)
+                        gates = gate_results(cell, res)
+                        status = "ok" if s["failed"] == 0 and all(gates.values()) else (
+                            "gate_failed" if not all(gates.values()) else "errors")
+                        errs = sorted({r.error for r in res if r.error})[:3]
+                        summ_rows.append({**base, **s, "status": status, "reason": "; ".join(errs) or None,
+                                          **{f"gate_{g}": v for g, v in gates.items()}})
+                        req_rows += [{**base, **r.to_row()} for r in res]
+                    done += 1
+                    if progress:
+                        progress(f"{cell.name} c={conc} rep {rep + 1} {t.stack}", done, total)
+    return req_rows, summ_rows

@@ -1,0 +1,312 @@
+"""Streaming load client for any OpenAI-compatible server, and the metrics it reports.
+
+Per request: TTFT (first SSE chunk carrying content), inter-token latencies between content
+chunks, TPOT ((e2el - ttft) / (completion_tokens - 1)), end-to-end latency, prompt / completion /
+cached tokens (from the usage chunk, else counted from content chunks), and the error.
+Per run: aggregate output tok/s = completion tokens / wall window (first send to last byte), never
+a sum of per-stream rates; request throughput; error rate; p50/p90/p95/p99 of ttft, tpot, itl and
+e2el (the names ``vllm bench serve`` uses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+import httpx
+import numpy as np
+
+PCTS = (50, 90, 95, 99)
+
+
+@dataclass
+class RequestResult:
+    index: int
+    start: float  # monotonic seconds
+    ok: bool = False
+    error: Optional[str] = None
+    status: Optional[int] = None
+    ttft: Optional[float] = None
+    e2el: Optional[float] = None
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: Optional[int] = None
+    completion_tokens: int = 0
+    cached_tokens: Optional[int] = None
+    end: Optional[float] = None
+    logprob_tokens: int = 0  # content tokens that came with logprobs
+    min_top_logprobs: Optional[int] = None  # fewest top_logprobs alternatives on any of them
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if not self.ok or self.ttft is None or self.e2el is None or self.completion_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.completion_tokens - 1)
+
+    def to_row(self) -> dict:
+        d = asdict(self)
+        d["tpot"] = self.tpot
+        d["itl_mean"] = float(np.mean(self.itls)) if self.itls else None
+        d["itls"] = [float(x) for x in self.itls]
+        return d
+
+
+def _pcts(values: list[float], prefix: str) -> dict:
+    out = {}
+    arr = np.asarray([v for v in values if v is not None], dtype=float)
+    out[f"mean_{prefix}"] = float(arr.mean()) if arr.size else None
+    for p in PCTS:
+        out[f"p{p}_{prefix}"] = float(np.percentile(arr, p)) if arr.size else None
+    return out
+
+
+def summarize(results: list[RequestResult]) -> dict:
+    """Run-level metrics from per-request results (exact, no timing of its own)."""
+    ok = [r for r in results if r.ok]
+    n = len(results)
+    if not results:
+        return {"requests": 0}
+    t0 = min(r.start for r in results)
+    t1 = max((r.end for r in results if r.end is not None), default=t0)
+    wall = max(t1 - t0, 1e-9)
+    out_tokens = sum(r.completion_tokens for r in ok)
+    s = {
+        "requests": n,
+        "completed": len(ok),
+        "failed": n - len(ok),
+        "error_rate": (n - len(ok)) / n,
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "cached_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "output_throughput": out_tokens / wall,
+        "request_throughput": len(ok) / wall,
+    }
+    s.update(_pcts([r.ttft for r in ok], "ttft"))
+    s.update(_pcts([r.tpot for r in ok], "tpot"))
+    s.update(_pcts([x for r in ok for x in r.itls], "itl"))
+    s.update(_pcts([r.e2el for r in ok], "e2el"))
+    return s
+
+
+# ---- one streamed request --------------------------------------------------------------------
+async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict, index: int,
+                         api_key: Optional[str] = None, clock: Callable[[], float] = time.perf_counter) -> RequestResult:
+    chat = "messages" in payload
+    url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
+    body = dict(payload, stream=True, stream_options={"include_usage": True})
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    res = RequestResult(index, clock())
+    last = None
+    counted = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            res.status = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                try:
+                    text = json.loads(text)["error"]["message"]
+                except Exception:
+                    pass
+                res.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    res.error = str(chunk["error"])[:300]
+                    return res
+                for ch in chunk.get("choices") or []:
+                    lp = ch.get("logprobs") or {}
+                    for entry in (lp.get("content") or []) if isinstance(lp, dict) else []:
+                        res.logprob_tokens += 1
+                        k = len(entry.get("top_logprobs") or [])
+                        res.min_top_logprobs = k if res.min_top_logprobs is None else min(res.min_top_logprobs, k)
+                    piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if piece:
+                        now = clock()
+                        if res.ttft is None:
+                            res.ttft = now - res.start
+                        elif last is not None:
+                            res.itls.append(now - last)
+                        last = now
+                        counted += 1
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = usage.get("prompt_tokens")
+                    res.completion_tokens = usage.get("completion_tokens") or 0
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens")
+        res.end = clock()
+        res.e2el = res.end - res.start
+        if not res.completion_tokens:
+            res.completion_tokens = counted  # the server sent no usage: count content chunks
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        if res.end is None:
+            res.end = clock()
+    return res
+
+
+# ---- arrival processes -----------------------------------------------------------------------
+def arrival_gaps(rate: float, burstiness: float, n: int, seed: int = 0) -> list[float]:
+    """Gaps between request sends: gamma with shape ``burstiness`` and mean ``1/rate`` (1.0 = Poisson)."""
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError("rate and burstiness must be > 0")
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n).tolist()
+
+
+async def closed_loop(send: Callable[[int], Awaitable[RequestResult]], concurrency: int, n_requests: int,
+                      on_done: Optional[Callable[[RequestResult], None]] = None) -> list[RequestResult]:
+    """``concurrency`` workers, each sending its next request when the previous one ends."""
+    nxt = iter(range(n_requests))
+    results: list[RequestResult] = []
+
+    async def worker():
+        for i in nxt:
+            r = await send(i)
+            results.append(r)
+            if on_done:
+                on_done(r)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
+    return sorted(results, key=lambda r: r.index)
+
+
+async def open_loop(send: Callable[[int], Awaitable[RequestResult]], rate: float, burstiness: float, duration: float,
+                    seed: int = 0, on_done: Optional[Callable[[RequestResult], None]] = None) -> list[RequestResult]:
+    """Send on a gamma/Poisson schedule for ``duration`` seconds, never waiting for replies."""
+    gaps = arrival_gaps(rate, burstiness, max(1, int(rate * duration * 3) + 10), seed)
+    tasks, t, i = [], 0.0, 0
+    start = time.perf_counter()
+    for g in gaps:
+        t += g
+        if t > duration:
+            break
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+        async def one(k=i):
+            r = await send(k)
+            if on_done:
+                on_done(r)
+            return r
+
+        tasks.append(asyncio.create_task(one()))
+        i += 1
+    return sorted(await asyncio.gather(*tasks), key=lambda r: r.index)
+
+
+# ---- datasets --------------------------------------------------------------------------------
+@dataclass
+class Dataset:
+    """Request payloads (without model/stream fields) built deterministically."""
+
+    name: str
+    payloads: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+
+def _random_text(tokenizer, rng: random.Random, n_tokens: int, vocab: int) -> str:
+    """Text that the model's tokenizer turns into about ``n_tokens`` ids (decoded random ids)."""
+    ids = [rng.randrange(300, vocab - 1) for _ in range(n_tokens)]
+    return tokenizer.decode(ids)
+
+
+def random_dataset(tokenizer, n: int, input_len: int, output_len: int, vocab: int, seed: int = 0,
+                   extra: Optional[dict] = None) -> Dataset:
+    rng = random.Random(seed)
+    return Dataset("random", [
+        {"messages": [{"role": "user", "content": _random_text(tokenizer, rng, input_len, vocab)}],
+         "max_tokens": output_len, **(extra or {})} for _ in range(n)])
+
+
+def shared_prefix_dataset(tokenizer, groups: int, prompts_per_group: int, system_len: int, question_len: int,
+                          output_len: int, vocab: int, seed: int = 0, extra: Optional[dict] = None) -> Dataset:
+    """The agent-fleet shape: each group shares one long system prompt; the questions differ."""
+    rng = random.Random(seed)
+    out = []
+    systems = [_random_text(tokenizer, rng, system_len, vocab) for _ in range(groups)]
+    for j in range(prompts_per_group):
+        for g in range(groups):
+            out.append({"messages": [{"role": "system", "content": systems[g]},
+                                     {"role": "user", "content": _random_text(tokenizer, rng, question_len, vocab)}],
+                        "max_tokens": output_len, **(extra or {})})
+    return Dataset("shared-prefix", out)
+
+
+def mixed_dataset(tokenizer, n: int, short_len: int, long_len: int, output_len: int, vocab: int, seed: int = 0,
+                  extra: Optional[dict] = None) -> Dataset:
+    """Short and long prompts alternating (a 50-token row beside a 4k-token row)."""
+    rng = random.Random(seed)
+    return Dataset("mixed", [
+        {"messages": [{"role": "user", "content": _random_text(tokenizer, rng, long_len if i % 2 else short_len, vocab)}],
+         "max_tokens": output_len, **(extra or {})} for i in range(n)])
+
+
+def jsonl_dataset(path: str, n: Optional[int] = None, default_max_tokens: int = 128) -> Dataset:
+    from mlxb.errors import ValidationError
+
+    out = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValidationError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(d, dict) or not ("messages" in d or "prompt" in d):
+                raise ValidationError(f"{path}:{lineno}: each line needs 'messages' or 'prompt'")
+            d.setdefault("max_tokens", default_max_tokens)
+            out.append(d)
+    if not out:
+        raise ValidationError(f"{path}: no requests in the file")
+    if n:
+        out = (out * (n // len(out) + 1))[:n]
+    return Dataset("jsonl", out)
+
+
+async def run_load(base_url: str, model: str, dataset: Dataset, *, concurrency: Optional[int] = None,
+                   n_requests: Optional[int] = None, rate: Optional[float] = None, burstiness: float = 1.0,
+                   duration: Optional[float] = None, ignore_eos: bool = False, api_key: Optional[str] = None,
+                   seed: int = 0, on_done: Optional[Callable[[RequestResult], None]] = None,
+                   timeout: float = 600.0) -> list[RequestResult]:
+    """One closed-loop (``concurrency``) or open-loop (``rate``) run against ``base_url``."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+        def payload(i: int) -> dict:
+            p: dict[str, Any] = dict(dataset.payloads[i % len(dataset)], model=model)
+            if ignore_eos:
+                p["ignore_eos"] = True
+            return p
+
+        async def send(i: int) -> RequestResult:
+            return await stream_request(client, base_url, payload(i), i, api_key)
+
+        if rate is not None:
+            return await open_loop(send, rate, burstiness, duration or 10.0, seed, on_done)
+        return await closed_loop(send, concurrency or 1, n_requests or len(dataset), on_done)
+
+
+def knee(points: list[tuple[float, Optional[float]]], threshold: float) -> Optional[float]:
+    """Highest load, going up, before p95 TTFT first exceeds ``threshold`` seconds (points: (load, p95))."""
+    best = None
+    for load, p95 in sorted(points):
+        if p95 is None or p95 > threshold:
+            break
+        best = load
+    return best

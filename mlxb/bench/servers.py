@@ -1,0 +1,97 @@
+"""Start and stop the stacks a benchmark compares: ``mlxb serve`` and ``mlx_lm.server``.
+
+Both serve the same model folder on 127.0.0.1. A stack is ready when ``/v1/models`` answers (and,
+for mlxb, ``/health`` is 200). Stopping sends SIGTERM, then SIGKILL after a grace period; each
+server's output goes to a log file so a failure can be read afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx
+
+STACKS = ("mlxb", "mlx-lm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    stack: str
+    model_path: str
+    port: int
+    proc: subprocess.Popen
+    log_path: str
+    flags: list[str]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def model_name(self) -> str:
+        return self.model_path  # both stacks accept the folder path as the model id
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "".join(open(self.log_path, errors="replace").readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 10.0) -> Optional[int]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # mlx_lm.server ignores a plain SIGTERM while serving
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int) -> list[str]:
+    if stack == "mlxb":
+        return [sys.executable, "-m", "mlxb.commands.main", "serve", "--model", model_path, "--port", str(port),
+                "--batch", str(batch), "--prefill-step-size", str(prefill_step), "--max-tokens", str(max_tokens),
+                "--log-level", "warning"]
+    if stack == "mlx-lm":
+        return [sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(port),
+                "--decode-concurrency", str(batch), "--prefill-step-size", str(prefill_step),
+                "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+    raise ValueError(f"unknown stack {stack!r}; stacks: {', '.join(STACKS)}")
+
+
+def start(stack: str, model_path: str, *, batch: int = 8, prefill_step: int = 2048, max_tokens: int = 512,
+          ready_timeout: float = 300.0) -> Server:
+    port = free_port()
+    cmd = command(stack, model_path, port, batch, prefill_step, max_tokens)
+    log = tempfile.NamedTemporaryFile("w", prefix=f"mlxb-bench-{stack}-", suffix=".log", delete=False)
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    srv = Server(stack, model_path, port, proc, log.name, cmd[3:])
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{stack} server exited with {proc.returncode} before it was ready:\n{srv.log_tail()}")
+        try:
+            r = httpx.get(srv.base_url + "/models", timeout=2)
+            if r.status_code == 200:
+                return srv
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    srv.stop()
+    raise RuntimeError(f"{stack} server not ready after {ready_timeout:.0f}s:\n{srv.log_tail()}")

@@ -1,0 +1,127 @@
+"""Load-client metrics, arrivals, matrix parsing, Parquet store and report rendering (no model)."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from mlxb.bench import load as L
+from mlxb.bench.matrix import parse
+from mlxb.bench.report import ab_table, render
+from mlxb.bench.store import LABEL_KEYS, read_requests, read_summaries, write_run
+from mlxb.errors import ValidationError
+
+
+def result(i, start, ttft, itls, n, ok=True):
+    r = L.RequestResult(i, start, ok=ok, ttft=ttft, itls=list(itls), completion_tokens=n, prompt_tokens=10)
+    r.e2el = ttft + sum(itls)
+    r.end = start + r.e2el
+    return r
+
+
+def test_metrics_from_synthetic_timeline_are_exact():
+    a = result(0, 0.0, 0.5, [0.1, 0.1, 0.2], 4)  # ends at 0.9
+    b = result(1, 0.5, 1.0, [0.25, 0.25], 3)  # ends at 2.0
+    c = L.RequestResult(2, 0.2, ok=False, error="HTTP 400: bad", end=0.3)
+    s = L.summarize([a, b, c])
+    assert s["requests"] == 3 and s["completed"] == 2 and s["failed"] == 1
+    assert s["error_rate"] == pytest.approx(1 / 3)
+    assert s["wall_s"] == pytest.approx(2.0)  # first send 0.0 to last byte 2.0
+    assert s["output_tokens"] == 7 and s["output_throughput"] == pytest.approx(3.5)  # 7 / 2.0, not a sum of rates
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert a.tpot == pytest.approx(0.4 / 3) and b.tpot == pytest.approx(0.25)
+    assert s["mean_ttft"] == pytest.approx(0.75) and s["p50_ttft"] == pytest.approx(0.75)
+    assert s["p99_ttft"] == pytest.approx(0.5 + 0.99 * 0.5)
+    assert s["p50_itl"] == pytest.approx(0.2)  # itls pooled: 0.1 0.1 0.2 0.25 0.25
+    assert s["p95_e2el"] == pytest.approx(np.percentile([0.9, 1.5], 95))
+
+
+def test_open_loop_arrivals_rate_and_burstiness():
+    for shape in (1.0, 0.25, 4.0):
+        gaps = np.array(L.arrival_gaps(rate=8.0, burstiness=shape, n=40000, seed=3))
+        assert gaps.mean() == pytest.approx(1 / 8, rel=0.03)
+        cv2 = gaps.var() / gaps.mean() ** 2  # gamma: CV^2 = 1 / shape (Poisson: 1)
+        assert cv2 == pytest.approx(1 / shape, rel=0.08)
+    with pytest.raises(ValueError):
+        L.arrival_gaps(0, 1, 3)
+
+
+def test_knee_stops_at_first_breach():
+    assert L.knee([(1, 0.1), (2, 0.3), (4, 0.9), (8, 3.0), (16, 0.5)], 1.0) == 4
+    assert L.knee([(1, 5.0)], 1.0) is None
+
+
+def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
+    m = parse("matrices/features.toml")
+    assert [c.name for c in m.cells] == ["plain", "agents", "sampling", "logprobs", "mixed", "long"]
+    assert all(c.concurrency == [1, 4, 8] for c in m.cells)
+    bad = tmp_path / "m.toml"
+    cases = [
+        ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\n\n[[cell]]\nname = "b"\ndataset = "random"\nfoo = 1\n',
+         r"m.toml:7: cell 'b': unknown key\(s\) foo"),
+        ('[[cell]]\nname = "a"\ndataset = "shared-prefix"\nsystem_len = 8\n', "needs question_len"),
+        ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\ngates = ["vibes"]\n', "unknown gate"),
+        ('[[cell]]\nname = "a"\ndataset = "rand"\n', "dataset 'rand' is not one of"),
+        ('[[cell]\nname = "a"\n', "line 1"),
+        ('[defaults]\nrepeats = 2\n', "no \\[\\[cell\\]\\] entries"),
+    ]
+    for text, msg in cases:
+        bad.write_text(text)
+        with pytest.raises(ValidationError, match=msg):
+            parse(bad)
+
+
+def _fixture_run(tmp_path):
+    lab = {k: f"v-{k}" for k in LABEL_KEYS} | {"memory_gb": 16.0, "run_id": "fixture-run"}
+    summ, reqs = [], []
+    rng = np.random.default_rng(0)
+    for conc in (1, 4):
+        for rep in range(3):
+            for stack, speed in (("mlxb", 2.0), ("mlx-lm", 1.0)):
+                ttfts = rng.uniform(0.1, 0.2, size=8) / speed
+                summ.append({"cell": "plain", "stack": stack, "concurrency": conc, "repeat": rep, "status": "ok",
+                             "output_throughput": 100.0 * speed * conc + rep, "p50_ttft": float(np.median(ttfts)),
+                             "p95_ttft": float(np.percentile(ttfts, 95)), "p50_tpot": 0.01, "p95_itl": 0.02,
+                             "failed": 0})
+                reqs += [{"cell": "plain", "stack": stack, "concurrency": conc, "repeat": rep, "ok": True, "ttft": t,
+                          "itls": [0.01, 0.02]} for t in ttfts]
+    summ.append({"cell": "logprobs", "stack": "mlx-lm", "concurrency": 1, "repeat": 0, "status": "unsupported",
+                 "reason": "HTTP 400: logprobs not supported"})
+    return write_run(tmp_path, lab, reqs, summ), lab
+
+
+def test_parquet_round_trip_keeps_schema_and_labels(tmp_path):
+    out, lab = _fixture_run(tmp_path)
+    s = read_summaries([tmp_path])
+    r = read_requests([tmp_path])
+    assert len(s) == 13 and len(r) == 96
+    for k, v in lab.items():
+        assert (s[k] == v).all() and (r[k] == v).all()  # every row carries every label
+    assert s["output_throughput"].dtype == np.float64 and s["concurrency"].dtype == np.int64
+    assert json.loads(r["itls"].iloc[0]) == [0.01, 0.02]
+    assert json.loads((out / "summary.json").read_text())["labels"]["run_id"] == "fixture-run"
+    with pytest.raises(ValidationError, match="no summary.parquet"):
+        read_summaries([tmp_path / "nothing"])
+
+
+def test_report_renders_plots_ab_table_and_unsupported(tmp_path):
+    _fixture_run(tmp_path)
+    s, r = read_summaries([tmp_path]), read_requests([tmp_path])
+    ab = ab_table(s, r)
+    assert {(x["cell"], x["concurrency"]) for x in ab} == {("plain", 1), ("plain", 4)}
+    for x in ab:
+        assert x["tps_ratio"] > 1.8 and x["tps_lo"] > 1 and x["tps_verdict"] == "faster"
+        assert x["ttft_ratio"] < 0.7 and x["ttft_verdict"] == "faster"  # lower TTFT is faster
+    html = render(s, r, tmp_path / "r.html").read_text()
+    assert html.count("data:image/png;base64,") == 1  # one plot per measured cell
+    assert "faster" in html and "v-machine_key" in html and "logprobs not supported" in html
+    md = render(s, r, tmp_path / "r.md").read_text()
+    assert "| plain | 4 | mlx-lm |" in md and "unsupported" not in md.split("## Unsupported")[0].split("## A/B")[0]
+
+
+def test_verdict_indistinguishable_when_ci_straddles_one(tmp_path):
+    rows = [{"cell": "c", "stack": st, "concurrency": 1, "repeat": i, "status": "ok", "output_throughput": v}
+            for i, (a, b) in enumerate([(10, 11), (12, 10), (11, 12)]) for st, v in (("mlxb", a), ("mlx-lm", b))]
+    ab = ab_table(pd.DataFrame(rows), pd.DataFrame())
+    assert ab[0]["tps_verdict"] == "indistinguishable"

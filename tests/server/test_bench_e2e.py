@@ -1,0 +1,50 @@
+"""Load client against live servers: unsupported cells recorded, and `mlxb bench load` end to end."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from mlxb.bench.features import Target, run_matrix
+from mlxb.bench.matrix import Cell, Matrix
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_run_matrix_records_unsupported_and_gates(live):
+    tok = live.gw.tokenizer
+    cells = [
+        Cell("plain", "random", {"input_len": 16}, concurrency=[2], requests_per_slot=1, output_len=4),
+        Cell("grammar", "random", {"input_len": 16}, params={"response_format": {"type": "json_object"}},
+             concurrency=[2], requests_per_slot=1, output_len=4),
+        Cell("logprobs", "random", {"input_len": 16}, params={"logprobs": True, "top_logprobs": 5},
+             gates=["top_logprobs_5"], concurrency=[2], requests_per_slot=1, output_len=4),
+    ]
+    t = Target("mlxb", live.url + "/v1", "tiny-llama")
+    reqs, summ = run_matrix(Matrix("t", cells, repeats=1), [t], tok, 8192)
+    by = {s["cell"]: s for s in summ}
+    assert by["plain"]["status"] == "ok" and by["plain"]["output_tokens"] == 8
+    assert by["grammar"]["status"] == "unsupported" and "response_format" in by["grammar"]["reason"]
+    assert by["logprobs"]["status"] == "ok" and by["logprobs"]["gate_top_logprobs_5"] is True
+    assert all(r["ok"] for r in reqs) and len(reqs) == 4
+
+
+def test_bench_load_cli_against_mlxb_and_mlx_lm(tmp_path):
+    env = dict(os.environ, COLUMNS="200")
+    r = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "bench", "load", "-m", "tiny-llama", "--peer",
+                        "mlx-lm", "--concurrency", "1,2", "--requests", "4", "--input-len", "32", "--output-len", "8"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "saturation knee for mlxb" in r.stdout and "saturation knee for mlx-lm" in r.stdout
+    runs = list((tmp_path / "reports" / "results").iterdir())
+    assert len(runs) == 1
+    s = pd.read_parquet(runs[0] / "summary.parquet")
+    assert set(s["stack"]) == {"mlxb", "mlx-lm"} and sorted(set(s["concurrency"])) == [1, 2]
+    assert (s["status"] == "ok").all() and (s["failed"] == 0).all()
+    assert (s.loc[s["stack"] == "mlxb", "output_tokens"] == 32).all()  # ignore_eos: exactly 4 x 8
+    assert s["machine_key"].nunique() == 1 and s["git_commit"].notna().all()
+    rep = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "report", "--out", "r.html"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env)
+    assert rep.returncode == 0 and "data:image/png" in (tmp_path / "r.html").read_text()
