@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxb.parity.protocol import Case, plan, step_record
 
@@ -47,6 +48,32 @@ def _join(batch: list, solo: list, full_op: str) -> list:
     return out
 
 
+def _join_batch(batch: list, cohort: list, full_op: str) -> list:
+    out = []
+    for b, c in zip(batch, cohort):
+        if isinstance(c, BatchRotatingKVCache) or (type(c) is BatchKVCache and full_op == "merge"):
+            rows = [x.extract(i) for x in (b, c) for i in range(len(x.offset))]
+            out.append(type(c).merge(rows))
+        else:
+            b.extend(c)
+            out.append(b)
+    return out
+
+
+def _cohort_prefill(model, case: Case, rows: list[int]):
+    """mlx-lm's own PromptProcessingBatch over the prompt bodies, then one [n, 1] step."""
+    ppb = PromptProcessingBatch(model, list(rows), [make_prompt_cache(model) for _ in rows],
+                                prefill_step_size=case.prefill_chunk)
+    ppb.prompt([case.rows[r].prompt[:-1] for r in rows])
+    caches = ppb.prompt_cache
+    last = mx.array([case.rows[r].prompt[-1] for r in rows], dtype=mx.uint32)
+    logits = model(last[:, None], cache=caches)[:, -1, :]
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    toks = mx.argmax(lp, axis=-1)
+    mx.eval(toks, lp)
+    return caches, toks.tolist(), lp
+
+
 def run_case(model, case: Case) -> dict:
     """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
     rows = case.rows
@@ -57,8 +84,21 @@ def run_case(model, case: Case) -> dict:
     n_fwd = 0
     gl = _geo_layer(make_prompt_cache(model))
     for it in plan(case):
+        cohort_caches = None
+        if it.cohort:
+            cohort_caches, toks, lp = _cohort_prefill(model, case, it.cohort)
+            geo = [None] * len(it.cohort) if gl is None else _geometry(cohort_caches[gl])
+            for i, r in enumerate(it.cohort):
+                records[r].append(record(toks[i], lp[i : i + 1], geo[i]))
+                last_tok[r] = toks[i]
+            keep = [i for i, r in enumerate(it.cohort) if r in it.joins]
+            if len(keep) < len(it.cohort) and keep:
+                for c in cohort_caches:
+                    c.filter(keep)
         for ch in it.prefills:
             r = ch.row
+            if r in it.cohort:
+                continue
             if r not in solo:
                 solo[r] = make_prompt_cache(model)
             if ch.end > ch.start:
@@ -71,7 +111,22 @@ def run_case(model, case: Case) -> dict:
                 g = _geo_layer(solo[r])
                 records[r].append(record(tok, lp, None if g is None else _geometry(solo[r][g])[0]))
                 last_tok[r] = tok
+        cohort_joined = False
         for r in it.joins:
+            if r in it.cohort:
+                if cohort_joined:
+                    continue
+                cohort_joined = True
+                rows_in = [x for x in it.cohort if x in it.joins]
+                if not batch:
+                    caches, merged = cohort_caches, True
+                else:
+                    if not merged:
+                        caches = [type(c).merge([c]) for c in caches]
+                        merged = True
+                    caches = _join_batch(caches, cohort_caches, case.join_full)
+                batch += rows_in
+                continue
             if not batch:
                 caches, merged = solo.pop(r), False  # adopted alone: plain single-row caches
             else:

@@ -1,7 +1,7 @@
 """Run a feature matrix (or one ad-hoc cell) against one or more stacks, A/B alternated.
 
-For each cell x concurrency x repeat, every stack runs the identical closed-loop load; the stack
-order flips every repeat (A B, B A, ...) so drift hits both. Before a stack's first run of a cell,
+For each cell x concurrency x repeat, every stack runs the identical closed-loop load (fresh prompts
+per level and repeat, so no prompt cache carries over between runs); the stack order flips every repeat (A B, B A, ...) so drift hits both. Before a stack's first run of a cell,
 one short probe request checks that it can serve the cell at all: a 4xx or a refused feature
 records the cell as ``unsupported`` for that stack (with the reason), never a silent skip. Gates
 (e.g. ``top_logprobs_5``) are checked on every response and recorded per summary row.
@@ -73,8 +73,10 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
         probed: set[str] = set()
         for conc in cell.concurrency:
             n = cell.requests or conc * cell.requests_per_slot
-            ds = dataset_for(cell, tokenizer, n, vocab, scale, seed)
             for rep in range(matrix.repeats):
+                # fresh prompts per (level, repeat), identical for every stack: a server's prompt cache
+                # may reuse what a run shares (the agents' system prompt), never an earlier repeat
+                ds = dataset_for(cell, tokenizer, n, vocab, scale, seed * 1_000_003 + rep * 7919 + conc)
                 order = targets if rep % 2 == 0 else list(reversed(targets))
                 for t in order:
                     base = {"cell": cell.name, "stack": t.stack, "concurrency": conc, "repeat": rep,
@@ -82,7 +84,8 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                             "needs": ",".join(cell.needs), "params": str(cell.params)}
                     if t.stack not in probed:
                         probed.add(t.stack)
-                        reason = asyncio.run(_probe(t, ds))
+                        # the probe uses its own prompts so it warms no cache the measured load uses
+                        reason = asyncio.run(_probe(t, dataset_for(cell, tokenizer, 1, vocab, scale, seed + 999_983)))
                         if reason:
                             unsupported[t.stack] = reason
                     if t.stack in unsupported:

@@ -10,6 +10,8 @@ Row operations (all on mlx-lm caches; batch caches are left-padded, see ``BatchK
   concat, running rows untouched); rotating re-merges every row's temporal view, which is safe
   across ring wraps. ``join_full="merge"`` re-merges full layers instead (a different pad layout,
   so it has its own parity case).
+* ``join_batch(batch, cohort)`` add every row of another batch cache (a prefill cohort) at the end:
+  full/latent/ssm extend; rotating (and ``merge`` mode) re-merge every row's temporal view.
 * ``filter(batch, keep)`` keep rows in order (in place); full layers drop left padding shared by
   every survivor, exactly as mlx-lm's ``BatchKVCache.filter`` does.
 * ``extract(batch, i)`` one row back as a single cache with the solo run's bytes.
@@ -67,6 +69,13 @@ class _Full:
         batch.extend(BatchKVCache.merge([solo]))
         return batch
 
+    def join_batch(self, batch, cohort, mode: str = "extend"):
+        if mode == "merge":
+            rows = [c.extract(i) for c in (batch, cohort) for i in range(c.offset.shape[0])]
+            return self.batch_cls.merge(rows)
+        batch.extend(cohort)
+        return batch
+
     def filter(self, batch, keep, trim_padding: bool = True):
         if trim_padding:
             batch.filter(keep)
@@ -95,6 +104,9 @@ class _Rotating(_Full):
         rows = [batch.extract(i) for i in range(batch.offset.shape[0])]
         return BatchRotatingKVCache.merge(rows + [solo])
 
+    def join_batch(self, batch, cohort, mode: str = "merge"):
+        return super().join_batch(batch, cohort, "merge" if mode != "extend" else "extend")
+
     def filter(self, batch, keep, trim_padding: bool = True):
         batch.filter(keep)
         return batch
@@ -108,6 +120,10 @@ class _SSM:
 
     def join(self, batch, solo, mode: str = "extend"):
         batch.extend(ArraysCache.merge([solo]))
+        return batch
+
+    def join_batch(self, batch, cohort, mode: str = "extend"):
+        batch.extend(cohort)
         return batch
 
     def filter(self, batch, keep, trim_padding: bool = True):

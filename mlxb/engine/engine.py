@@ -132,7 +132,18 @@ class Engine:
             "kv_projected_bytes": s.used_bytes,
             "kv_budget_bytes": s.kv_budget,
             **self.counters,
+            "step_timing": self.step_timing(),
         }
+
+    def step_timing(self) -> dict:
+        """Mean host time per decode step (ms) by phase, from the runner's summed timings."""
+        t = dict(self.runner.timing)
+        n = t.get("steps", 0)
+        out = {"steps": int(n), "mean_rows": (t.get("rows", 0) / n) if n else 0.0}
+        for k in ("build_s", "launch_s", "wait_s", "emit_s", "deliver_s"):
+            out[k.replace("_s", "_ms")] = 1000 * t.get(k, 0.0) / n if n else 0.0
+        out["prefill_s_total"] = t.get("prefill_s", 0.0)
+        return out
 
     # ---- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -244,8 +255,19 @@ class Engine:
             live = self._live[rid]
             live.req.timings.admitted = time.perf_counter()
             live.row = r.new_row(live.req)
+        t_prefill = time.perf_counter()
+        # whole prompts admitted together form a cohort: one batched prefill (mlx-lm's layout)
+        cohort = [c for c in out.prefills if c.start == 0 and c.is_last]
+        cohort = cohort if len(cohort) >= 2 else []
         for chunk in out.prefills:
-            self._prefill(chunk)
+            if chunk in cohort:
+                if chunk is cohort[0]:
+                    self._prefill_cohort(cohort)
+            else:
+                self._prefill(chunk)
+        if out.prefills:
+            r.timing["prefill_s"] += time.perf_counter() - t_prefill
+            r.timing["prefill_iterations"] += 1
         if r.rows:  # running rows, plus joiners that joined just now
             self.last_forward = [row.req.request_id for row in r.rows]
             try:
@@ -261,6 +283,7 @@ class Engine:
             self.counters["steps"] += 1
             if len(r.rows) > 1:
                 self.counters["batched_steps"] += 1
+            t_deliver = time.perf_counter()
             done: dict[str, RequestStatus] = {}
             for em in emitted:
                 status = self._deliver(em)
@@ -271,6 +294,7 @@ class Engine:
                 r.filter(keep)
                 for rid, status in done.items():
                     s.on_finished(rid, status)
+            r.timing["deliver_s"] += time.perf_counter() - t_deliver
 
     def _prefill(self, chunk) -> None:
         live = self._live[chunk.request_id]
@@ -292,6 +316,34 @@ class Engine:
             self.scheduler.on_joined(chunk.request_id)
         else:  # finished at token 0: never joins
             self.scheduler.on_finished(chunk.request_id, status)
+
+    def _prefill_cohort(self, chunks) -> None:
+        lives = [self._live[c.request_id] for c in chunks]
+        rows = [lv.row for lv in lives]
+        try:
+            caches, emitted = self.runner.prefill_cohort(rows)
+        except Exception as e:  # a prefill error rejects only the joiners
+            for c, lv in zip(chunks, lives):
+                self.scheduler.on_finished(c.request_id, RequestStatus.FINISHED_ERROR)
+                self._finish(lv, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+            return
+        keep, tokens, ended = [], [], {}
+        now = time.perf_counter()
+        for i, (c, lv, em) in enumerate(zip(chunks, lives, emitted)):
+            self.scheduler.on_prefill_chunk(c)
+            lv.req.timings.prefill_done = now
+            tokens.append(em.token)
+            status = self._deliver(em)
+            if status is None:
+                keep.append(i)
+            else:
+                ended[c.request_id] = status
+        self.runner.join_cohort(caches, rows, tokens, keep)
+        for i, c in enumerate(chunks):
+            if i in keep:
+                self.scheduler.on_joined(c.request_id)
+            else:  # finished at token 0: never joins
+                self.scheduler.on_finished(c.request_id, ended[c.request_id])
 
     def _run_serial(self, live: _Live) -> None:
         """The strict serial mechanism: mlx-lm's generate_step on plain single-row caches."""

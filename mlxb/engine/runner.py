@@ -2,6 +2,9 @@
 
 It executes the scheduler's decisions on one running batch:
 
+* ``prefill_cohort`` prefills two or more whole prompts admitted in the same iteration together:
+  right-padded, one forward, rolled to left padding (mlx-lm's ``PromptProcessingBatch`` layout),
+  then one [n, 1] step for the held-back tokens; ``join_cohort`` adds the survivors at once.
 * ``prefill_chunk`` feeds a joiner's prompt alone, on its own single-row caches. A prefill chunk
   is evaluated through the cache state only, so MLX never computes the LM head over the chunk
   (no ``[1, L, V]`` logits exist); the held-back last prompt token then runs as an L=1 step
@@ -16,6 +19,8 @@ It executes the scheduler's decisions on one running batch:
 from __future__ import annotations
 
 import hashlib
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -71,6 +76,9 @@ class Runner:
         self.pending: list = []  # per row: logprobs of the unread register token, or None if emitted
         self.pending_geo: Optional[list] = None  # capture only: cache geometry of the unread step
         self.num_steps = 0
+        # per-step host timings (seconds, summed): graph build, async_eval launch, wait for the
+        # previous step's tokens, turning them into Emitted records; the engine adds delivery
+        self.timing: dict[str, float] = defaultdict(float)
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
 
@@ -130,6 +138,65 @@ class Runner:
                 info = TokenLogprob(token, float(logprobs.reshape(-1)[token].item()))
         return Emitted(row, token, info)
 
+    def prefill_cohort(self, rows: list[Row]) -> tuple[list, list[Emitted]]:
+        """Prefill several whole prompts together (right-padded, one forward per chunk, then rolled to
+        left padding, as mlx-lm's ``PromptProcessingBatch`` does), feed every held-back last token in
+        one [n, 1] step, and sample each row's token 0. Returns the cohort's batch caches and emits."""
+        caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows]) for i, k in enumerate(self.kinds)]
+        bodies = [r.req.prompt_ids[:-1] for r in rows]
+        if "double_last_token" in self.faults:
+            bodies = [r.req.prompt_ids for r in rows]  # planted bug: the held-back token is fed twice
+        lengths = [len(b) for b in bodies]
+        width = max(lengths)
+        if width > 0:
+            pad = [width - n for n in lengths]
+            if max(pad) > 0:
+                for c in caches:
+                    c.prepare(lengths=lengths, right_padding=pad)
+            self.model(mx.array([b + [0] * (width - len(b)) for b in bodies]), cache=caches)
+            if max(pad) > 0:
+                for c in caches:
+                    c.finalize()
+            mx.eval([c.state for c in caches])
+        last = mx.array([r.req.prompt_ids[-1] for r in rows], dtype=mx.uint32)
+        logits = self.model(last[:, None], cache=caches)[:, -1, :]
+        geo = None
+        if self.capture is not None and self._geo_layer is not None:
+            c = caches[self._geo_layer]
+            geo = [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
+        out = []
+        for i, r in enumerate(rows):
+            if r.context is not None:
+                r.context = mx.concatenate([r.context, last[i : i + 1]])
+            tok, lp = r.sampler(r.context, logits[i : i + 1])
+            mx.eval(tok, lp)
+            r.solo = []
+            out.append(self._emit(r, int(tok.item()), lp, geo[i] if geo else None))
+        mx.clear_cache()
+        return caches, out
+
+    def join_cohort(self, caches: list, rows: list[Row], tokens: list[int], keep: list[int]) -> None:
+        """Join cohort rows ``keep`` (indices into ``rows``; the others finished at token 0)."""
+        if not keep:
+            return
+        if len(keep) < len(rows):
+            caches = [ROW_OPS[k].filter(c, keep) for k, c in zip(self.kinds, caches)]
+        tok = mx.array([tokens[i] for i in keep], dtype=mx.uint32)
+        if not self.rows:
+            self.caches, self.merged, self.register = caches, True, tok
+        else:
+            if not self.merged:
+                self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self.caches)]
+                self.merged = True
+            self.caches = [ROW_OPS[k].join_batch(b, c, self.join_mode[k])
+                           for k, b, c in zip(self.kinds, self.caches, caches)]
+            self.register = mx.concatenate([self.register, tok])
+        for i in keep:
+            self.rows.append(rows[i])
+            self.pending.append(None)
+            if self.pending_geo is not None:
+                self.pending_geo.append(None)
+
     # ---- join ------------------------------------------------------------------------------
     def join(self, row: Row, token0: int) -> None:
         tok = mx.array([token0], dtype=mx.uint32)
@@ -155,6 +222,7 @@ class Runner:
         return self.capture is not None or not row.req.sampling.is_plain_greedy
 
     def decode_step(self) -> list[Emitted]:
+        t0 = time.perf_counter()
         inputs = self.register
         if "scalar_rope" in self.faults and self.merged:
             for c in self.caches:  # planted bug: one RoPE offset for every row
@@ -175,7 +243,9 @@ class Runner:
                 toks.append(t.reshape(1))
                 new_pending.append(lp if self._needs_vectors(r) else True)
             sampled = mx.concatenate(toks)
+        t1 = time.perf_counter()
         mx.async_eval(sampled, [p for p in new_pending if p is not True])
+        t2 = time.perf_counter()
         prev, prev_geo = self.pending, self.pending_geo
         self.register, self.pending = sampled, new_pending
         if self.capture is not None:
@@ -183,13 +253,22 @@ class Runner:
         self.num_steps += 1
         if self.num_steps % 256 == 0:
             mx.clear_cache()
+        tm = self.timing
+        tm["steps"] += 1
+        tm["rows"] += len(rows)
+        tm["build_s"] += t1 - t0
+        tm["launch_s"] += t2 - t1
         if not any(p is not None for p in prev):
             return []
         values = inputs.tolist()
-        return [
+        t3 = time.perf_counter()
+        out = [
             self._emit(r, values[i], None if p is True else p, prev_geo[i] if prev_geo else None)
             for i, (r, p) in enumerate(zip(rows, prev)) if p is not None
         ]
+        tm["wait_s"] += t3 - t2
+        tm["emit_s"] += time.perf_counter() - t3
+        return out
 
     # ---- retire ----------------------------------------------------------------------------
     def filter(self, keep: list[int]) -> None:

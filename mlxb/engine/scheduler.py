@@ -8,10 +8,10 @@ not held by a serial waiter, the running and prefilling rows are below the concu
 worst-case KV bytes fit the budget.
 
 Each iteration spends at most ``prefill_chunk`` prompt tokens of joiner prefill (the held-back last
-token's L=1 step counts as one), then one decode step runs over every running row. Joiners are
-prefilled one after another, each alone on its own caches; several short joiners can finish in
-one iteration (a burst of B agents joins together), a long one is split across iterations. Either
-way running rows stall for at most one chunk's worth of prefill between two decode steps. A request that can never fit (over
+token's L=1 step counts as one), then one decode step runs over every running row. Several short
+joiners can finish in one iteration (a burst of B agents joins together; the runner prefills such
+whole prompts as one batched cohort), a long one is split across iterations and prefilled alone.
+Either way running rows stall for at most one chunk's worth of prefill between two decode steps. A request that can never fit (over
 the context limit, or over the budget alone) is rejected when it is added, never left to block
 the queue. Running rows are never evicted for memory.
 """

@@ -8,7 +8,10 @@ into the exact event timeline of the continuous-batching protocol, one entry per
 2. joiner prefill spends at most ``prefill_chunk`` tokens (the held-back last prompt token's L=1
    step counts as one): continue the prefill in flight, then admit the queue head while running +
    prefilling rows stay under B; a row whose last chunk runs samples token 0 alone and joins at
-   the end of the batch (a row with ``max_tokens == 1`` ends there and never joins);
+   the end of the batch (a row with ``max_tokens == 1`` ends there and never joins); when two or more
+   rows prefill their whole prompt in this iteration they form a cohort: one right-padded batched
+   prefill rolled to left padding (mlx-lm's ``PromptProcessingBatch``), one [n, 1] step for their
+   held-back tokens, and they join together (rows that ended at token 0 are filtered out first);
 3. if the batch is not empty, one forward over every batch row, in batch order;
 4. decode is pipelined: the tokens a forward produces are read during the next iteration, after
    that iteration's forward is launched, so a row's last forward is a lookahead whose output is
@@ -30,7 +33,7 @@ import numpy as np
 CASES = ("static", "join", "leave", "extend", "merge", "ring", "ssm", "latent")
 GENERAL = ("static", "join", "leave", "extend", "merge")
 SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "latent": ("tiny-glm-mla",)}
-SCHEMA = 1
+SCHEMA = 2  # 2: whole prompts admitted in one iteration are prefilled together as a cohort
 
 
 @dataclass
@@ -81,6 +84,7 @@ class Chunk:
 class Iteration:
     prefills: list[Chunk] = field(default_factory=list)
     joins: list[int] = field(default_factory=list)  # rows appended to the batch this iteration
+    cohort: list[int] = field(default_factory=list)  # rows prefilled together (two or more whole prompts)
     forward: list[int] = field(default_factory=list)  # batch rows of this iteration's forward, in order
     emits: dict[int, int] = field(default_factory=dict)  # row -> step whose logits this forward gives
     retire: list[int] = field(default_factory=list)  # rows removed after the forward
@@ -122,6 +126,8 @@ def plan(case: Case) -> list[Iteration]:
             budget -= (end - pos[r]) + (1 if last else 0)
             if not last:
                 break
+        whole = [ch.row for ch in it.prefills if ch.start == 0 and ch.is_last]
+        it.cohort = whole if len(whole) >= 2 else []
         for ch in it.prefills:
             pos[ch.row] = ch.end
             if ch.is_last:
@@ -190,8 +196,10 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
     elif case == "leave":  # different retirements (row 0 first), survivors continue; one row waits for a slot
         # row 0 is the longest and retires first: the survivors share left padding that filter must trim
         n = b + 1
+        # from three rows on, row 1 ends at token 0: it leaves its cohort before the cohort joins
         lens = [48] + [int(rng.integers(8, 32)) for _ in range(n - 1)]
-        rows = [RowSpec(_prompt(rng, L, vocab), 3 + 3 * i, 0) for i, L in enumerate(lens)]
+        mts = [1 if (i == 1 and n >= 3) else 3 + 3 * i for i in range(n)]
+        rows = [RowSpec(_prompt(rng, L, vocab), mts[i], 0) for i, L in enumerate(lens)]
     elif case in ("extend", "merge"):
         # joiners alternately longer and shorter than the batch (padding on either side), chunked prefill
         chunk, join_full = 16, case

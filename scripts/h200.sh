@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
+# Usage on the device, after the install:  bash scripts/h200.sh engine|serve
+# Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+export MLXB_HOME=${MLXB_HOME:-/var/tmp/mlxb-home}
+OUT=${OUT:-/tmp/out}
+# no pip install on the device: expose commands/ and oracle/ under mlxb/ as setuptools' package-dir would
+ln -sfn ../commands mlxb/commands; ln -sfn ../oracle mlxb/oracle
+mlxb() { python3 -m mlxb.commands.main "$@"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+mlxb doctor --json > "$OUT/doctor.json"; grep machine_key "$OUT/doctor.json"
+case "$1" in
+  engine)
+    for m in synth-llama-1b synth-llama-8b; do
+      t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"
+      mlxb bench engine -m /var/tmp/$m --batches 1,8,32,64 --prompt-len 128 --gen 128 --repeats 3 --prefill-len 2048 \
+        --out "$OUT/engine-$m.json" 2>&1 | tail -14
+    done ;;
+  serve)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || mlxb models build $m --out /var/tmp/$m >/dev/null
+    mkdir -p /tmp/bench && cd /tmp/bench
+    mlxb bench load -m /var/tmp/$m --peer mlx-lm --batch 64 --concurrency 1 --requests 4 --input-len 400 \
+      --output-len 128 --repeats 2 2>&1 | tail -12
+    mlxb bench load -m /var/tmp/$m --peer mlx-lm --batch 64 --concurrency 8,32,64 --requests 64 --input-len 400 \
+      --output-len 128 --repeats 2 --ttft-threshold 2.0 2>&1 | tail -20
+    mlxb report reports/results --out "$OUT/serve-h200.html" && mlxb report reports/results --out "$OUT/serve-h200.md"
+    tar czf "$OUT/serve-results.tgz" reports/results ;;
+esac
