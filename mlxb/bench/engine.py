@@ -33,12 +33,13 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     engine.runner.timing.clear()  # the engine is idle between arms
-    streams, t0 = [], time.perf_counter()
+    streams, reqs, t0 = [], [], time.perf_counter()
     for i, p in enumerate(prompts):
         r = Request(f"b{time.perf_counter_ns()}-{i}", p, gen, ignore_eos=True)
         st = OutputStream(r.request_id)
         engine.submit(r, st)
         streams.append(st)
+        reqs.append(r)
     firsts, lasts, n = [], [], 0
     for st in streams:
         first = None
@@ -51,7 +52,7 @@ def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
         firsts.append(first)
         lasts.append(last)
     end = max(lasts)
-    joined = max(firsts)  # every row has its first token: admission and prefill are over
+    joined = max(r.timings.first_token for r in reqs)  # engine-side: every row has token 0
     return {"tokens": n, "wall": end - t0, "ttft": firsts[0] - t0, "decode": (gen - 1) / (lasts[0] - firsts[0]),
             "all_first_s": joined - t0, "timing": engine.step_timing()}
 
@@ -90,6 +91,55 @@ def peer_batch(model, prompts: list[list[int]], gen: int) -> dict:
     end = time.perf_counter()
     bg.close()
     return {"tokens": n, "wall": end - t0, "ttft": first - t0}
+
+
+def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vocab: int = 8192) -> dict:
+    """A row decodes; a joiner with ``chunks`` x ``chunk`` prompt tokens arrives. Returns the running
+    row's inter-token gaps before and during the joiner's prefill, next to the mean time of one
+    prefill iteration (one chunk) and of the whole prompt: the scheduler promises a stall of at most
+    one chunk (plus the decode step itself), not the whole prompt."""
+    import threading
+
+    eng = Engine(model, tokenizer, max_batch=2, prefill_chunk=chunk).start()
+    try:
+        ps = _prompts(2, 32, vocab, 7)
+        ours(eng, [ps[0]], 4)  # warm the shapes
+        runner = Request(f"stall-run-{time.perf_counter_ns()}", ps[0], 100_000, ignore_eos=True)
+        st = OutputStream(runner.request_id)
+        stamps: list[float] = []
+        eng.submit(runner, st)
+
+        def read():
+            for out in st:
+                if out.token is not None:
+                    stamps.append(time.perf_counter())
+
+        th = threading.Thread(target=read, daemon=True)
+        th.start()
+        while len(stamps) < 20:
+            time.sleep(0.005)
+        eng.runner.timing.clear()
+        joiner = Request(f"stall-join-{time.perf_counter_ns()}", _prompts(1, chunk * chunks + 1, vocab, 8)[0], 2,
+                         ignore_eos=True)
+        js = OutputStream(joiner.request_id)
+        t_submit = time.perf_counter()
+        eng.submit(joiner, js)
+        next(o for o in js if o.token is not None)
+        t_first = time.perf_counter()
+        list(js)
+        time.sleep(0.2)
+        eng.cancel(runner.request_id)
+        th.join(10)
+        tm = dict(eng.runner.timing)
+    finally:
+        eng.shutdown()
+    before = [b - a for a, b in zip(stamps, stamps[1:]) if b < t_submit]
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if b > t_submit and a < t_first]
+    iters = tm.get("prefill_iterations", 0) or 1
+    return {"chunk": chunk, "joiner_prompt": chunk * chunks + 1, "prefill_iterations": int(tm.get("prefill_iterations", 0)),
+            "mean_chunk_prefill_s": tm.get("prefill_s", 0.0) / iters, "whole_prefill_s": tm.get("prefill_s", 0.0),
+            "median_gap_before_s": statistics.median(before[-10:]) if before else None,
+            "max_gap_during_s": max(during) if during else None, "joiner_ttft_s": t_first - t_submit}
 
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
@@ -133,10 +183,12 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         summary.append({"metric": key[0], "B": key[1], "ours_median": statistics.median(ours_v),
                         "peer_median": statistics.median(peer_v), "ratio_min": min(rs),
                         "ratio_median": statistics.median(rs), "ratio_max": max(rs)})
+    say("late-joiner stall")
+    stall = late_joiner_stall(model, tokenizer, chunk=min(256, max(16, prefill_len // 4)), vocab=vocab)
     try:
         peak = mx.get_peak_memory()
     except Exception:
         peak = None
-    return {"rows": rows, "summary": summary, "peak_memory_bytes": peak,
+    return {"rows": rows, "summary": summary, "peak_memory_bytes": peak, "late_joiner_stall": stall,
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
                        "prefill_len": prefill_len}}
