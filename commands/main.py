@@ -42,6 +42,7 @@ def _maybe_reexec_with_openblas() -> None:
 
 
 def main() -> None:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep tokenizer-loading chatter off the CLI
     _maybe_reexec_with_openblas()
     app(prog_name="mlxb")
 

@@ -42,7 +42,7 @@ class CaseResult:
 
     def to_dict(self) -> dict:
         return {"case": self.label, "against": self.against, "ok": self.ok, **self.counts(),
-                "schedule_mismatch": self.schedule_mismatch, "error": self.error, "envelope": self.envelope,
+                "schedule_mismatch": self.schedule_mismatch, "error": self.error, "envelope_spec": self.envelope,
                 "rows": [{"row": r.row, "steps": r.steps, "exact": r.exact, "envelope": r.envelope,
                           "missing": r.missing, "first_divergence": r.first_divergence} for r in self.rows]}
 
