@@ -47,3 +47,11 @@ def cli_errors(fn):
 def not_implemented(name: str, issue: str) -> None:
     err_console.print(f"[bold red]error:[/] `mlxb {name}` is not implemented yet ({issue}); see `mlxb --help` for what works today")
     raise typer.Exit(2)
+
+
+def progress(transient: bool = False):
+    """The Rich progress bar every long-running command uses."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=transient)

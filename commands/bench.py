@@ -9,16 +9,9 @@ from typing import Optional
 
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
+from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, progress
 
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
-
-
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console)
 
 
 def _tokenizer_and_path(model: Optional[str], dtype: Optional[str]):
@@ -52,7 +45,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                 srv = servers.start(peer, str(path), batch=batch)
                 started.append(srv)
                 targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
-        with _progress() as prog:
+        with progress() as prog:
             task = prog.add_task("load", total=None)
             req_rows, summ_rows = run_matrix(
                 matrix, targets, tok, vocab, scale=scale, cells=cells,

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, JsonOpt, cli_errors, console
+from mlxb.commands._common import DtypeOpt, JsonOpt, cli_errors, console, progress
 
 TINY_DTYPES = ("float32", "bfloat16")
 
@@ -18,6 +18,7 @@ ModelsOpt = typer.Option(None, "--model", "-m", help="Model(s): preset, alias, f
 BOpt = typer.Option("1,2,3,4", "--b", help="Batch sizes (the cap B), comma-separated.")
 CaseOpt = typer.Option(None, "--case", "-c", help="Case(s): static join leave extend merge ring ssm latent (repeatable; default all that apply).")
 GoldensOpt = typer.Option(None, "--goldens", help="Goldens folder (default: the checkout's goldens/).")
+AllOpt = typer.Option(False, "--all", help="Every tiny preset x case x B, in float32 and bfloat16.")
 
 
 def _root(goldens: Optional[Path]) -> Path:
@@ -51,11 +52,6 @@ def _targets(models, dtype, all_):
     return [target(m, dtype) for m in (models or ["tiny-llama"])]
 
 
-def _progress():
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
-
-
 def _tracker(prog: Progress, prefix: str):
     tasks: dict = {}
 
@@ -75,7 +71,7 @@ def parity(
     cases: Optional[list[str]] = CaseOpt,
     dtype: DtypeOpt = None,
     against: str = typer.Option("both", "--against", help="live (mlx-lm oracle now) | golden (this machine's goldens) | both"),
-    all_: bool = typer.Option(False, "--all", help="Every tiny preset x case x B, in float32 and bfloat16."),
+    all_: bool = AllOpt,
     goldens: Optional[Path] = GoldensOpt,
     json_out: JsonOpt = False,
     plant_fault: Optional[str] = typer.Option(None, "--plant-fault", hidden=True,
@@ -92,7 +88,7 @@ def parity(
     faults = frozenset([plant_fault]) if plant_fault else frozenset()
     root, machine, bs = _root(goldens), machine_key(), _bs(b)
     results = []
-    with _progress() as prog:
+    with progress(transient=True) as prog:
         for t in _targets(models, dtype, all_):
             cs = build_cases(t, bs, cases)
             if cs:
@@ -154,7 +150,7 @@ def golden_gen(
     b: str = BOpt,
     cases: Optional[list[str]] = CaseOpt,
     dtype: DtypeOpt = None,
-    all_: bool = typer.Option(False, "--all", help="Every tiny preset x case x B, in float32 and bfloat16."),
+    all_: bool = AllOpt,
     force: bool = typer.Option(False, "--force", help="Overwrite existing goldens and print what changed."),
     goldens: Optional[Path] = GoldensOpt,
 ) -> None:
@@ -164,7 +160,7 @@ def golden_gen(
 
     root, machine, bs = _root(goldens), machine_key(), _bs(b)
     counts: dict = {}
-    with _progress() as prog:
+    with progress(transient=True) as prog:
         for t in _targets(models, dtype, all_):
             cs = build_cases(t, bs, cases)
             for item in gen(t, cs, root, machine, force, _tracker(prog, t.label)):

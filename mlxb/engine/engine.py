@@ -19,23 +19,13 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
-from mlxb.engine.runner import Emitted, Row, Runner
+from mlxb.engine.delivery import Delivery, Live
+from mlxb.engine.runner import Row, Runner
 from mlxb.engine.sampler import RowSampler
 from mlxb.engine.scheduler import Scheduler
-from mlxb.engine.stop import StopMatcher
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import EngineFailure, EngineUnavailableError
-from mlxb.request import FINISH_REASON, Request, RequestOutput, RequestStatus
-
-
-class _Live:
-    """Per-request delivery state kept on the engine thread."""
-
-    def __init__(self, req: Request, stream: OutputStream, detok):
-        self.req, self.stream, self.detok = req, stream, detok
-        self.stop = StopMatcher(req.stop)
-        self.cancelled = False
-        self.row: Optional[Row] = None
+from mlxb.request import Request, RequestStatus
 
 
 class Engine:
@@ -72,13 +62,14 @@ class Engine:
                              special_tokens=sorted(self.eos_ids))
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
-        self._serial: deque[_Live] = deque()
-        self._live: dict[str, _Live] = {}
+        self._serial: deque[Live] = deque()
+        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0}
+        self.delivery = Delivery(self.eos_ids, self.counters)
+        self._live: dict[str, Live] = self.delivery.live  # the same dict: the engine admits, delivery retires
         self._stop = threading.Event()
         self.fatal: Optional[BaseException] = None
         self.last_beat = time.monotonic()
-        self.last_forward: list[str] = []  # request ids of the last decode forward, in batch order
-        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0}
+        self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
         self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
 
     # ---- caller side -----------------------------------------------------------------------
@@ -164,7 +155,7 @@ class Engine:
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
             self.fatal = e
             for live in list(self._live.values()):
-                self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
+                self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
             raise
         finally:
             # NOTE: drain work this thread queued with async_eval (lookahead steps nobody reads);
@@ -219,7 +210,7 @@ class Engine:
     def _accept(self, req: Request, stream: OutputStream) -> None:
         detok = copy.copy(self.tokenizer._detokenizer)
         detok.reset()
-        live = _Live(req, stream, detok)
+        live = Live(req, stream, detok)
         self._live[req.request_id] = live
         self.counters["requests"] += 1
         if req.mechanism == "serial":
@@ -237,17 +228,17 @@ class Engine:
         for lv in cancelled:
             if lv in self._serial:
                 self._serial.remove(lv)
-                self._finish(lv, RequestStatus.FINISHED_ABORTED)
+                self.delivery.finish(lv, RequestStatus.FINISHED_ABORTED)
             elif lv.req.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
                 self.scheduler.on_finished(lv.req.request_id, RequestStatus.FINISHED_ABORTED)
-                self._finish(lv, RequestStatus.FINISHED_ABORTED)
+                self.delivery.finish(lv, RequestStatus.FINISHED_ABORTED)
         keep = [i for i, r in enumerate(self.runner.rows) if r.req.request_id not in ids]
         if len(keep) < len(self.runner.rows):
             gone = [r for r in self.runner.rows if r.req.request_id in ids]
             self.runner.filter(keep)
             for r in gone:
                 self.scheduler.on_finished(r.req.request_id, RequestStatus.FINISHED_ABORTED)
-                self._finish(self._live[r.req.request_id], RequestStatus.FINISHED_ABORTED)
+                self.delivery.finish(self._live[r.req.request_id], RequestStatus.FINISHED_ABORTED)
 
     def _iteration(self, out) -> None:
         s, r = self.scheduler, self.runner
@@ -256,9 +247,7 @@ class Engine:
             live.req.timings.admitted = time.perf_counter()
             live.row = r.new_row(live.req)
         t_prefill = time.perf_counter()
-        # whole prompts admitted together form a cohort: one batched prefill (mlx-lm's layout)
-        cohort = [c for c in out.prefills if c.start == 0 and c.is_last]
-        cohort = cohort if len(cohort) >= 2 else []
+        cohort = out.cohort
         for chunk in out.prefills:
             if chunk in cohort:
                 if chunk is cohort[0]:
@@ -269,7 +258,8 @@ class Engine:
             r.timing["prefill_s"] += time.perf_counter() - t_prefill
             r.timing["prefill_iterations"] += 1
         if r.rows:  # running rows, plus joiners that joined just now
-            self.last_forward = [row.req.request_id for row in r.rows]
+            if r.capture is not None:  # parity drivers compare this with the plan; not on the serving path
+                self.last_forward = [row.req.request_id for row in r.rows]
             try:
                 emitted = r.decode_step()
             except Exception as e:  # cannot be attributed to a row: the whole batch fails
@@ -277,7 +267,7 @@ class Engine:
                 r.drop_all()
                 for rid in failed:
                     s.on_finished(rid, RequestStatus.FINISHED_ERROR)
-                    self._finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
+                    self.delivery.finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
                 mx.clear_cache()
                 return
             self.counters["steps"] += 1
@@ -286,7 +276,7 @@ class Engine:
             t_deliver = time.perf_counter()
             done: dict[str, RequestStatus] = {}
             for em in emitted:
-                status = self._deliver(em)
+                status = self.delivery.deliver(em)
                 if status is not None:
                     done[em.row.req.request_id] = status
             if done:
@@ -307,10 +297,10 @@ class Engine:
             em = self.runner.first_token(row)
         except Exception as e:  # a prefill error rejects only the joiner
             self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
-            self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+            self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
             return
         live.req.timings.prefill_done = time.perf_counter()
-        status = self._deliver(em)
+        status = self.delivery.deliver(em)
         if status is None:
             self.runner.join(row, em.token)
             self.scheduler.on_joined(chunk.request_id)
@@ -325,7 +315,7 @@ class Engine:
         except Exception as e:  # a prefill error rejects only the joiners
             for c, lv in zip(chunks, lives):
                 self.scheduler.on_finished(c.request_id, RequestStatus.FINISHED_ERROR)
-                self._finish(lv, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+                self.delivery.finish(lv, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
             return
         keep, tokens, ended = [], [], {}
         now = time.perf_counter()
@@ -333,7 +323,7 @@ class Engine:
             self.scheduler.on_prefill_chunk(c)
             lv.req.timings.prefill_done = now
             tokens.append(em.token)
-            status = self._deliver(em)
+            status = self.delivery.deliver(em)
             if status is None:
                 keep.append(i)
             else:
@@ -345,7 +335,7 @@ class Engine:
             else:  # finished at token 0: never joins
                 self.scheduler.on_finished(c.request_id, ended[c.request_id])
 
-    def _run_serial(self, live: _Live) -> None:
+    def _run_serial(self, live: Live) -> None:
         """The strict serial mechanism: mlx-lm's generate_step on plain single-row caches."""
         from mlx_lm.generate import generate_step
 
@@ -368,73 +358,15 @@ class Engine:
                         req.timings.prefill_done = time.perf_counter()
                     self._drain_inbox(block=False)
                     if live.cancelled:
-                        self._finish(live, RequestStatus.FINISHED_ABORTED)
+                        self.delivery.finish(live, RequestStatus.FINISHED_ABORTED)
                         break
                     self.counters["steps"] += 1
                     em = self.runner._emit(row, int(tok), logprobs[None] if self._wants_vec(req) else None)
-                    if self._deliver(em) is not None:
+                    if self.delivery.deliver(em) is not None:
                         break
             except Exception as e:
-                self._finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
+                self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
         self._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
 
     def _wants_vec(self, req: Request) -> bool:
         return self.runner.capture is not None or req.sampling.logprobs or req.sampling.top_logprobs > 0
-
-    # ---- delivery --------------------------------------------------------------------------
-    def _deliver(self, em: Emitted) -> Optional[RequestStatus]:
-        """Turn one sampled token into output; return a finished status if the row ends here."""
-        live = self._live[em.row.req.request_id]
-        req = live.req
-        if req.timings.first_token is None:
-            req.timings.first_token = time.perf_counter()
-        self.counters["tokens"] += 1
-        if em.token in self.eos_ids and not req.ignore_eos:
-            return self._finish(live, RequestStatus.FINISHED_STOPPED)
-        req.num_generated += 1
-        live.detok.add_token(em.token)
-        status = None
-        if req.num_generated >= req.max_tokens:
-            live.detok.finalize()
-            status = RequestStatus.FINISHED_LENGTH
-        text, hit = live.stop.feed(live.detok.last_segment)
-        if hit:
-            status = RequestStatus.FINISHED_STOPPED
-        elif status is not None:
-            text += live.stop.flush()
-        out = RequestOutput(req.request_id, em.token, text, em.logprob)
-        if status is not None:
-            return self._finish(live, status, last=out)
-        if not self._send(live, out):
-            return self._finish(live, RequestStatus.FINISHED_ABORTED)
-        return None
-
-    def _send(self, live: _Live, out: RequestOutput) -> bool:
-        live.stream.put(out)
-        if live.req.on_output is not None:
-            try:
-                live.req.on_output(out)
-            except Exception:  # a consumer that raises evicts only its own row
-                return False
-        return True
-
-    def _finish(self, live: _Live, status: RequestStatus, last: Optional[RequestOutput] = None,
-                error: Optional[Exception] = None) -> RequestStatus:
-        req = live.req
-        req.status = status
-        req.timings.finished = time.perf_counter()
-        if req.timings.first_token is None:
-            req.timings.first_token = req.timings.finished
-        out = last or RequestOutput(req.request_id, None, "")
-        out.finish_reason = FINISH_REASON[status]
-        out.error = error
-        out.usage = {
-            "prompt_tokens": req.num_prompt_tokens,
-            "completion_tokens": req.num_generated,
-            "total_tokens": req.num_prompt_tokens + req.num_generated,
-            "cached_tokens": req.cached_tokens,
-        }
-        out.timings = req.timings.as_dict(req.num_generated)
-        self._send(live, out)
-        self._live.pop(req.request_id, None)
-        return status

@@ -48,5 +48,11 @@ class SchedulerOutput:
     admitted: list[str] = field(default_factory=list)  # requests that started prefill this iteration
 
     @property
+    def cohort(self) -> list[PrefillChunk]:
+        """Whole prompts admitted this iteration (two or more): prefilled together as one batch."""
+        whole = [c for c in self.prefills if c.start == 0 and c.is_last]
+        return whole if len(whole) >= 2 else []
+
+    @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decode

@@ -164,14 +164,18 @@ class Runner:
         if self.capture is not None and self._geo_layer is not None:
             c = caches[self._geo_layer]
             geo = [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
-        out = []
+        toks, lps = [], []
         for i, r in enumerate(rows):
             if r.context is not None:
                 r.context = mx.concatenate([r.context, last[i : i + 1]])
             tok, lp = r.sampler(r.context, logits[i : i + 1])
-            mx.eval(tok, lp)
+            toks.append(tok.reshape(1))
+            lps.append(lp)
             r.solo = []
-            out.append(self._emit(r, int(tok.item()), lp, geo[i] if geo else None))
+        toks_arr = mx.concatenate(toks)
+        mx.eval(toks_arr, lps)  # one sync for the whole cohort
+        values = toks_arr.tolist()
+        out = [self._emit(r, values[i], lps[i], geo[i] if geo else None) for i, r in enumerate(rows)]
         mx.clear_cache()
         return caches, out
 

@@ -1,0 +1,90 @@
+"""Delivery: turn sampled tokens into per-request output on the engine thread.
+
+Detokenization, EOS and ``max_tokens``, stop strings (held back until they cannot match), the
+final output with usage and timings, and eviction of a row whose consumer raised. The engine owns
+admission; ``finish`` is the one place a request leaves ``live``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from mlxb.engine.runner import Emitted, Row
+from mlxb.engine.stop import StopMatcher
+from mlxb.engine.stream import OutputStream
+from mlxb.request import FINISH_REASON, Request, RequestOutput, RequestStatus
+
+
+class Live:
+    """Per-request delivery state kept on the engine thread."""
+
+    def __init__(self, req: Request, stream: OutputStream, detok):
+        self.req, self.stream, self.detok = req, stream, detok
+        self.stop = StopMatcher(req.stop)
+        self.cancelled = False
+        self.row: Optional[Row] = None
+
+
+class Delivery:
+    def __init__(self, eos_ids: set, counters: dict):
+        self.eos_ids = eos_ids
+        self.counters = counters
+        self.live: dict[str, Live] = {}
+
+    def deliver(self, em: Emitted) -> Optional[RequestStatus]:
+        """Turn one sampled token into output; return a finished status if the row ends here."""
+        live = self.live[em.row.req.request_id]
+        req = live.req
+        if req.timings.first_token is None:
+            req.timings.first_token = time.perf_counter()
+        self.counters["tokens"] += 1
+        if em.token in self.eos_ids and not req.ignore_eos:
+            return self.finish(live, RequestStatus.FINISHED_STOPPED)
+        req.num_generated += 1
+        live.detok.add_token(em.token)
+        status = None
+        if req.num_generated >= req.max_tokens:
+            live.detok.finalize()
+            status = RequestStatus.FINISHED_LENGTH
+        text, hit = live.stop.feed(live.detok.last_segment)
+        if hit:
+            status = RequestStatus.FINISHED_STOPPED
+        elif status is not None:
+            text += live.stop.flush()
+        out = RequestOutput(req.request_id, em.token, text, em.logprob)
+        if status is not None:
+            return self.finish(live, status, last=out)
+        if not self.send(live, out):
+            return self.finish(live, RequestStatus.FINISHED_ABORTED)
+        return None
+
+    def send(self, live: Live, out: RequestOutput) -> bool:
+        live.stream.put(out)
+        if live.req.on_output is not None:
+            try:
+                live.req.on_output(out)
+            except Exception:  # a consumer that raises evicts only its own row
+                return False
+        return True
+
+    def finish(self, live: Live, status: RequestStatus, last: Optional[RequestOutput] = None,
+               error: Optional[Exception] = None) -> RequestStatus:
+        req = live.req
+        req.status = status
+        req.timings.finished = time.perf_counter()
+        if req.timings.first_token is None:
+            req.timings.first_token = req.timings.finished
+        out = last or RequestOutput(req.request_id, None, "")
+        out.finish_reason = FINISH_REASON[status]
+        out.error = error
+        out.usage = {
+            "prompt_tokens": req.num_prompt_tokens,
+            "completion_tokens": req.num_generated,
+            "total_tokens": req.num_prompt_tokens + req.num_generated,
+            "cached_tokens": req.cached_tokens,
+        }
+        out.timings = req.timings.as_dict(req.num_generated)
+        self.send(live, out)
+        self.live.pop(req.request_id, None)
+        return status
