@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|serve
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|serve
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -17,6 +17,12 @@ case "$1" in
       t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"
       mlxb bench engine -m /var/tmp/$m --batches 1,8,32,64 --prompt-len 128 --gen 128 --repeats 3 --prefill-len 2048 \
         --out "$OUT/engine-$m.json" 2>&1 | tail -14
+    done ;;
+  profile)
+    for m in ${MODELS:-synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      python3 scripts/profile_decode.py /var/tmp/$m --batches ${BATCHES:-1,8,32,64} --gen 96 --repeats ${REPEATS:-2} \
+        --out "$OUT/profile-$m.json" 2>&1 | grep -v Warning
     done ;;
   serve)
     m=synth-llama-8b

@@ -1,8 +1,12 @@
 """Delivery: turn sampled tokens into per-request output on the engine thread.
 
-Detokenization, EOS and ``max_tokens``, stop strings (held back until they cannot match), the
-final output with usage and timings, and eviction of a row whose consumer raised. The engine owns
-admission; ``finish`` is the one place a request leaves ``live``.
+EOS and ``max_tokens``, stop strings (held back until they cannot match), the final output with
+usage and timings, and eviction of a row whose consumer raised. The engine owns admission;
+``finish`` is the one place a request leaves ``live``.
+
+Text: a request with stop strings or an engine-thread callback is detokenized here (the engine
+needs its text); any other request's text is made by its consumer (``OutputStream`` fills
+``text=None`` records in), which keeps that work off the engine thread's critical path.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Optional
 
 from mlxb.engine.runner import Emitted, Row
 from mlxb.engine.stop import StopMatcher
-from mlxb.engine.stream import OutputStream
+from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.request import FINISH_REASON, Request, RequestOutput, RequestStatus
 
 
@@ -24,6 +28,9 @@ class Live:
         self.stop = StopMatcher(req.stop)
         self.cancelled = False
         self.row: Optional[Row] = None
+        self.defer_text = not req.stop and req.on_output is None
+        if self.defer_text:
+            stream.detok = detok  # the consumer turns token ids into text
 
 
 class Delivery:
@@ -31,6 +38,11 @@ class Delivery:
         self.eos_ids = eos_ids
         self.counters = counters
         self.live: dict[str, Live] = {}
+        self.outbox: Optional[Outbox] = None  # set during an engine iteration: one wake-up per loop
+
+    def flush(self) -> None:
+        if self.outbox is not None:
+            self.outbox.flush()
 
     def deliver(self, em: Emitted) -> Optional[RequestStatus]:
         """Turn one sampled token into output; return a finished status if the row ends here."""
@@ -40,10 +52,22 @@ class Delivery:
             req.timings.first_token = time.perf_counter()
         self.counters["tokens"] += 1
         if em.token in self.eos_ids and not req.ignore_eos:
-            return self.finish(live, RequestStatus.FINISHED_STOPPED)
+            last = None
+            if not live.defer_text:  # flush what the detokenizer and the stop matcher still hold
+                live.detok.finalize()
+                text, hit = live.stop.feed(live.detok.last_segment)
+                last = RequestOutput(req.request_id, None, text if hit else text + live.stop.flush())
+            return self.finish(live, RequestStatus.FINISHED_STOPPED, last=last)
         req.num_generated += 1
-        live.detok.add_token(em.token)
         status = None
+        if live.defer_text:
+            if req.num_generated >= req.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            out = RequestOutput(req.request_id, em.token, None, em.logprob)
+            if status is not None:
+                return self.finish(live, status, last=out)
+            return None if self.send(live, out) else self.finish(live, RequestStatus.FINISHED_ABORTED)
+        live.detok.add_token(em.token)
         if req.num_generated >= req.max_tokens:
             live.detok.finalize()
             status = RequestStatus.FINISHED_LENGTH
@@ -60,7 +84,7 @@ class Delivery:
         return None
 
     def send(self, live: Live, out: RequestOutput) -> bool:
-        live.stream.put(out)
+        live.stream.put(out, self.outbox)
         if live.req.on_output is not None:
             try:
                 live.req.on_output(out)
@@ -75,7 +99,7 @@ class Delivery:
         req.timings.finished = time.perf_counter()
         if req.timings.first_token is None:
             req.timings.first_token = req.timings.finished
-        out = last or RequestOutput(req.request_id, None, "")
+        out = last or RequestOutput(req.request_id, None, None if live.defer_text else "")
         out.finish_reason = FINISH_REASON[status]
         out.error = error
         out.usage = {

@@ -23,7 +23,7 @@ from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.runner import Row, Runner
 from mlxb.engine.sampler import RowSampler
 from mlxb.engine.scheduler import Scheduler
-from mlxb.engine.stream import OutputStream
+from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
 
@@ -65,6 +65,7 @@ class Engine:
         self._serial: deque[Live] = deque()
         self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0}
         self.delivery = Delivery(self.eos_ids, self.counters)
+        self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token
         self._live: dict[str, Live] = self.delivery.live  # the same dict: the engine admits, delivery retires
         self._stop = threading.Event()
         self.fatal: Optional[BaseException] = None
@@ -156,6 +157,7 @@ class Engine:
             self.fatal = e
             for live in list(self._live.values()):
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
+            self.delivery.flush()
             raise
         finally:
             # NOTE: drain work this thread queued with async_eval (lookahead steps nobody reads);
@@ -169,17 +171,20 @@ class Engine:
         The engine thread calls this in its loop. Deterministic drivers (the parity driver) call it
         directly on an engine that was never started, after ``accept``-ing requests themselves.
         """
-        self._apply_cancels()
-        if self._serial and self.scheduler.is_idle:
-            self._run_serial(self._serial.popleft())
-            return None
-        self.scheduler.hold_admission = bool(self._serial)
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            return None
-        with self.device_lock:
-            self._iteration(out)
-        return out
+        try:
+            self._apply_cancels()
+            if self._serial and self.scheduler.is_idle:
+                self._run_serial(self._serial.popleft())
+                return None
+            self.scheduler.hold_admission = bool(self._serial)
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return None
+            with self.device_lock:
+                self._iteration(out)
+            return out
+        finally:
+            self.delivery.flush()  # one wake-up per event loop for everything this iteration made
 
     def accept(self, req: Request, stream: OutputStream) -> None:
         """Hand a request in on the calling thread (for drivers of a never-started engine)."""
@@ -362,7 +367,9 @@ class Engine:
                         break
                     self.counters["steps"] += 1
                     em = self.runner._emit(row, int(tok), logprobs[None] if self._wants_vec(req) else None)
-                    if self.delivery.deliver(em) is not None:
+                    ended = self.delivery.deliver(em) is not None
+                    self.delivery.flush()
+                    if ended:
                         break
             except Exception as e:
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))

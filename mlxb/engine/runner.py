@@ -43,6 +43,7 @@ class Row:
     solo: list = field(default_factory=list)  # single-row caches during prefill
     context: Optional[mx.array] = None  # token history for penalty processors
     steps: int = 0  # tokens sampled so far (token 0 included)
+    plain: bool = False  # plain greedy (sampling params never change): one batched argmax serves it
 
 
 @dataclass
@@ -84,7 +85,8 @@ class Runner:
 
     # ---- prefill ---------------------------------------------------------------------------
     def new_row(self, req: Request) -> Row:
-        row = Row(req, RowSampler(req.sampling, self.special_tokens), make_prompt_cache(self.model))
+        row = Row(req, RowSampler(req.sampling, self.special_tokens), make_prompt_cache(self.model),
+                  plain=req.sampling.is_plain_greedy)
         if row.sampler.processors:
             row.context = mx.array(req.prompt_ids[:-1], dtype=mx.uint32)
         return row
@@ -223,7 +225,7 @@ class Runner:
 
     # ---- decode ----------------------------------------------------------------------------
     def _needs_vectors(self, row: Row) -> bool:
-        return self.capture is not None or not row.req.sampling.is_plain_greedy
+        return self.capture is not None or not row.plain
 
     def decode_step(self) -> list[Emitted]:
         t0 = time.perf_counter()
@@ -234,7 +236,7 @@ class Runner:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
         rows = self.rows
-        if all(r.req.sampling.is_plain_greedy for r in rows):
+        if all(r.plain for r in rows):
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             sampled = mx.argmax(logprobs, axis=-1)
             new_pending = [logprobs[i : i + 1] for i in range(len(rows))] if self.capture else [True] * len(rows)
