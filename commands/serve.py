@@ -16,7 +16,8 @@ def serve(
     port: int = typer.Option(8080, "--port"),
     batch: int = typer.Option(8, "--batch", "--decode-concurrency", min=1, help="Concurrency cap (rows decoding together); 1 = strict serial."),
     prompt_concurrency: Optional[int] = typer.Option(None, "--prompt-concurrency", min=1, help="Most joiners prefilled in one iteration (each alone, within one --prefill-step-size of tokens); default: --batch."),
-    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="Most prompt tokens of joiner prefill between two decode steps (the stall bound for running rows)."),
+    prefill_burst: Optional[int] = typer.Option(None, "--prefill-burst", min=1, help="Prompt tokens one iteration may prefill when the engine is idle (nothing decodes, so nothing stalls); default: 4 x --prefill-step-size."),
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV byte budget for admission, e.g. 2GB, 512MiB, 100000."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Default max_tokens when a request gives none."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="A Jinja chat template string overriding the tokenizer's."),
@@ -34,7 +35,7 @@ def serve(
     budget = parse_bytes(kv_budget) if kv_budget else None
     with console.status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
-                           max_joiners=prompt_concurrency, default_max_tokens=max_tokens, chat_template=chat_template)
+                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})

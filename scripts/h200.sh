@@ -13,9 +13,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 mlxb doctor --json > "$OUT/doctor.json"; grep machine_key "$OUT/doctor.json"
 case "$1" in
   engine)
-    for m in synth-llama-1b synth-llama-8b; do
-      t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"
-      mlxb bench engine -m /var/tmp/$m --batches 1,8,32,64 --prompt-len 128 --gen 128 --repeats 3 --prefill-len 2048 \
+    for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      mlxb bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8,32,64} --prompt-len 128 --gen 128 --repeats ${REPEATS:-3} --prefill-len 2048 \
         --out "$OUT/engine-$m.json" 2>&1 | tail -14
     done ;;
   profile)

@@ -50,15 +50,31 @@ def instrument(model):
         t = time.perf_counter()
         orig_async(*a)
         if PHASE.pop("armed", False):
-            PHASE["launch"] = PHASE.get("launch", 0.0) + time.perf_counter() - t
+            dt = time.perf_counter() - t
+            PHASE["launch"] = PHASE.get("launch", 0.0) + dt
+            PHASE.setdefault("series", []).append(dt)
+
+    orig_clear = mx.clear_cache
+
+    def clear():
+        PHASE.setdefault("clears", []).append(len(PHASE.get("series", [])))
+        orig_clear()
 
     cls.__call__ = call
     mx.async_eval = aeval
+    mx.clear_cache = clear
 
 
 def phases() -> dict:
     n = PHASE.get("n", 0) or 1
     out = {"build_ms": 1000 * PHASE.get("build", 0.0) / n, "launch_ms": 1000 * PHASE.get("launch", 0.0) / n}
+    ser = [1000 * x for x in PHASE.get("series", [])]
+    if ser:
+        out["launch_median_ms"] = statistics.median(ser)
+        top = sorted(range(len(ser)), key=lambda i: -ser[i])[:4]
+        out["slowest"] = [(i, round(ser[i], 1)) for i in top]
+        out["excess_ms"] = sum(x - out["launch_median_ms"] for x in ser if x > 2 * out["launch_median_ms"])
+        out["clears_at"] = PHASE.get("clears", [])
     PHASE.clear()
     return out
 
@@ -215,7 +231,7 @@ def main():
                     res.append(row)
                     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                       if not k.endswith(("timing", "phases"))}), flush=True)
-                    print("  phases", {k: {p: round(x, 2) for p, x in v.items()} for k, v in row.items()
+                    print("  phases", {k: {p: (round(x, 2) if isinstance(x, float) else x) for p, x in v.items()} for k, v in row.items()
                                        if k.endswith("phases")}, flush=True)
                     continue
                 runner = direct(model, tok, ps, a.gen, a.chunk, keep_caches=True)
@@ -227,7 +243,7 @@ def main():
                 mx.clear_cache()
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                   if not k.endswith(("timing", "phases"))}), flush=True)
-                print("  phases", {k: {p: round(x, 2) for p, x in v.items()} for k, v in row.items()
+                print("  phases", {k: {p: (round(x, 2) if isinstance(x, float) else x) for p, x in v.items()} for k, v in row.items()
                                    if k.endswith("phases")}, flush=True)
                 print("  direct timing", {k: round(v, 3) for k, v in row["direct_timing"].items()}, flush=True)
                 print("  thread timing", {k: round(v, 3) for k, v in row["thread_timing"].items()}, flush=True)

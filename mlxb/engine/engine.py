@@ -39,6 +39,7 @@ class Engine:
         kv_budget: Optional[int] = None,
         context_limit: Optional[int] = None,
         max_joiners: Optional[int] = None,
+        prefill_burst: Optional[int] = None,
         join_full: str = "extend",
         capture: Optional[Callable] = None,
         faults: frozenset = frozenset(),
@@ -57,6 +58,7 @@ class Engine:
             kv_budget=kv_budget,
             row_bytes=self.projection.row_bytes if self.projection else (lambda n: 0),
             max_joiners=max_joiners,
+            prefill_burst=prefill_burst,
         )
         self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults,
                              special_tokens=sorted(self.eos_ids))

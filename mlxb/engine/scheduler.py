@@ -11,9 +11,15 @@ Each iteration spends at most ``prefill_chunk`` prompt tokens of joiner prefill 
 token's L=1 step counts as one), then one decode step runs over every running row. Several short
 joiners can finish in one iteration (a burst of B agents joins together; the runner prefills such
 whole prompts as one batched cohort), a long one is split across iterations and prefilled alone.
-Either way running rows stall for at most one chunk's worth of prefill between two decode steps. A request that can never fit (over
-the context limit, or over the budget alone) is rejected when it is added, never left to block
-the queue. Running rows are never evicted for memory.
+Either way running rows stall for at most one chunk's worth of prefill between two decode steps.
+
+When the engine is idle (no row decoding, no prefill in flight) nothing can stall, so that
+iteration may spend up to ``prefill_burst`` tokens (default four chunks): a burst that arrives at
+an idle engine is prefilled as one cohort, as mlx-lm's prompt batch does, and its rows then decode
+and finish in step. One chunk is still at most ``prefill_chunk`` tokens.
+
+A request that can never fit (over the context limit, or over the budget alone) is rejected when
+it is added, never left to block the queue. Running rows are never evicted for memory.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ class Scheduler:
         kv_budget: Optional[int] = None,
         row_bytes: Callable[[int], int] = lambda n: 0,
         max_joiners: Optional[int] = None,
+        prefill_burst: Optional[int] = None,
     ):
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.prefill_burst = max(prefill_burst or 4 * prefill_chunk, prefill_chunk)
         self.context_limit = context_limit
         self.kv_budget = kv_budget
         self.row_bytes = row_bytes
@@ -96,7 +104,7 @@ class Scheduler:
     # ---- one iteration ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.prefill_chunk
+        budget = self.prefill_burst if self.is_idle else self.prefill_chunk  # idle: nothing can stall
         i = 0
         while budget > 0 and i < self.max_joiners:
             if i < len(self.prefilling):
@@ -113,7 +121,7 @@ class Scheduler:
             i += 1
             # NOTE: the last prompt token is held back; the runner feeds it as an L=1 step.
             pos, body = self.prefill_pos[req.request_id], req.num_prompt_tokens - 1
-            end = min(pos + budget, body)
+            end = min(pos + min(budget, self.prefill_chunk), body)
             is_last = end >= body
             out.prefills.append(PrefillChunk(req.request_id, pos, end, is_last))
             budget -= (end - pos) + (1 if is_last else 0)

@@ -6,7 +6,8 @@ into the exact event timeline of the continuous-batching protocol, one entry per
 
 1. rows whose ``arrive`` equals the iteration enter the FIFO queue (in row order);
 2. joiner prefill spends at most ``prefill_chunk`` tokens (the held-back last prompt token's L=1
-   step counts as one): continue the prefill in flight, then admit the queue head while running +
+   step counts as one; an iteration that starts idle, with no batch and no prefill in flight, may spend four chunks' worth,
+   the engine's default ``prefill_burst``, but one chunk is never longer than ``prefill_chunk``): continue the prefill in flight, then admit the queue head while running +
    prefilling rows stay under B; a row whose last chunk runs samples token 0 alone and joins at
    the end of the batch (a row with ``max_tokens == 1`` ends there and never joins); when two or more
    rows prefill their whole prompt in this iteration they form a cohort: one right-padded batched
@@ -30,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-CASES = ("static", "join", "leave", "extend", "merge", "ring", "ssm", "latent")
-GENERAL = ("static", "join", "leave", "extend", "merge")
+CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent")
+GENERAL = ("static", "join", "leave", "extend", "merge", "burst")
 SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "latent": ("tiny-glm-mla",)}
 SCHEMA = 2  # 2: whole prompts admitted in one iteration are prefilled together as a cohort
 
@@ -108,7 +109,8 @@ def plan(case: Case) -> list[Iteration]:
     while len(done) < len(rows):
         it = Iteration()
         waiting += [i for i, r in enumerate(rows) if r.arrive == k]
-        budget, j = case.prefill_chunk, 0
+        idle = not batch and not prefilling  # the engine's default prefill_burst: four chunks
+        budget, j = (4 * case.prefill_chunk if idle else case.prefill_chunk), 0
         while budget > 0 and j < case.b:
             if j < len(prefilling):
                 r = prefilling[j]
@@ -120,7 +122,7 @@ def plan(case: Case) -> list[Iteration]:
                 break
             j += 1
             body = len(rows[r].prompt) - 1
-            end = min(pos[r] + budget, body)
+            end = min(pos[r] + min(budget, case.prefill_chunk), body)
             last = end >= body
             it.prefills.append(Chunk(r, pos[r], end, last))
             budget -= (end - pos[r]) + (1 if last else 0)
@@ -205,6 +207,9 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         chunk, join_full = 16, case
         lens = [24, 60, 9, 41][:b] if b <= 4 else [int(rng.integers(6, 64)) for _ in range(b)]
         rows = [RowSpec(_prompt(rng, L, vocab), 10, 2 * i) for i, L in enumerate(lens)]
+    elif case == "burst":  # B whole prompts at an idle engine: more than one chunk, within the idle burst
+        chunk = 16
+        rows = [RowSpec(_prompt(rng, int(rng.integers(10, 17)), vocab), 6 + 2 * i, 0) for i in range(b)]
     elif case == "ring":  # prompts past the window; the last row starts beyond it and joins late
         chunk = 32
         rows = [RowSpec(_prompt(rng, window + 6 + 11 * i, vocab), 14, 2 * i) for i in range(b - 1)]

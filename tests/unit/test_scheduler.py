@@ -15,7 +15,8 @@ def req(rid, n_prompt=10, max_tokens=5):
 
 
 def drive_prefill(s):
-    """Fake runner: run the scheduled prefill to its end and join the row."""
+    """Fake runner: run the scheduled prefill to its end and join the row (tests that use it set
+    ``prefill_burst`` to the chunk, so an idle iteration admits one joiner as a busy one does)."""
     while True:
         out = s.schedule()
         assert len(out.prefills) == 1
@@ -32,7 +33,7 @@ def test_scheduler_imports_no_mlx():
 
 
 def test_fifo_and_cap():
-    s = Scheduler(max_batch=2, prefill_chunk=10)
+    s = Scheduler(max_batch=2, prefill_chunk=10, prefill_burst=10)
     for i in range(4):
         s.add(req(f"r{i}"))
     assert drive_prefill(s) == "r0"
@@ -78,7 +79,7 @@ def test_context_limit_rejects_with_numbers():
 
 
 def test_budget_wait_vs_reject():
-    s = Scheduler(max_batch=8, prefill_chunk=10, kv_budget=250, row_bytes=lambda n: n * 10)
+    s = Scheduler(max_batch=8, prefill_chunk=10, prefill_burst=10, kv_budget=250, row_bytes=lambda n: n * 10)
     with pytest.raises(KVBudgetError, match="raise --kv-budget to at least 300"):
         s.add(req("big", n_prompt=20, max_tokens=10))
     s.add(req("a", n_prompt=10, max_tokens=5))  # 150 bytes
@@ -109,7 +110,7 @@ def test_serial_waiter_drains_batch():
 
 
 def test_cancel_pending_and_running():
-    s = Scheduler(max_batch=4, prefill_chunk=10)
+    s = Scheduler(max_batch=4, prefill_chunk=10, prefill_burst=10)
     for r in ("a", "b", "c"):
         s.add(req(r))
     drive_prefill(s)
@@ -120,7 +121,7 @@ def test_cancel_pending_and_running():
 
 
 def test_containment_fail_all_running_keeps_queue():
-    s = Scheduler(max_batch=4, prefill_chunk=10)
+    s = Scheduler(max_batch=4, prefill_chunk=10, prefill_burst=10)
     for r in ("a", "b", "c"):
         s.add(req(r))
     drive_prefill(s)
@@ -140,7 +141,7 @@ def test_cancel_while_prefilling():
 
 
 def test_burst_of_short_joiners_shares_one_chunk_budget():
-    s = Scheduler(max_batch=3, prefill_chunk=25)
+    s = Scheduler(max_batch=3, prefill_chunk=25, prefill_burst=25)  # no idle burst
     for i in range(5):
         s.add(req(f"r{i}", n_prompt=10))
     out = s.schedule()
@@ -155,6 +156,37 @@ def test_burst_of_short_joiners_shares_one_chunk_budget():
     out = s.schedule()  # cap 3: r3 is not admitted while r2 is still prefilling
     assert [(c.request_id, c.start, c.end, c.is_last) for c in out.prefills] == [("r2", 5, 9, True)]
     assert out.decode and out.admitted == []
+
+
+def test_idle_burst_takes_whole_prompts_past_one_chunk_but_never_a_longer_chunk():
+    s = Scheduler(max_batch=8, prefill_chunk=25)  # default burst: 4 chunks = 100 tokens
+    assert s.prefill_burst == 100
+    for i in range(5):
+        s.add(req(f"r{i}", n_prompt=10))
+    s.add(req("long", n_prompt=60))
+    out = s.schedule()
+    # idle: five whole prompts (50 tokens) and then one chunk of the long prompt, capped at 25
+    assert [(c.request_id, c.start, c.end, c.is_last) for c in out.prefills] == [
+        (f"r{i}", 0, 9, True) for i in range(5)] + [("long", 0, 25, False)]
+    for c in out.prefills:
+        s.on_prefill_chunk(c)
+        if c.is_last:
+            s.on_joined(c.request_id)
+    out = s.schedule()  # rows decode now: back to one chunk per iteration
+    assert [(c.request_id, c.start, c.end, c.is_last) for c in out.prefills] == [("long", 25, 50, False)]
+    assert out.decode
+
+
+def test_idle_burst_never_applies_with_a_prefill_in_flight():
+    s = Scheduler(max_batch=8, prefill_chunk=25)
+    s.add(req("long", n_prompt=60))
+    out = s.schedule()
+    assert [(c.start, c.end) for c in out.prefills] == [(0, 25)]
+    s.on_prefill_chunk(out.prefills[0])
+    for i in range(3):
+        s.add(req(f"r{i}", n_prompt=10))
+    out = s.schedule()  # not idle (the long prompt is in flight): one chunk's budget for everyone
+    assert [(c.request_id, c.start, c.end, c.is_last) for c in out.prefills] == [("long", 25, 50, False)]
 
 
 def test_max_joiners_caps_admissions_per_iteration():
