@@ -225,12 +225,19 @@ def engine(
                        f"{st['wait_ms']:.2f}", f"{st['emit_ms']:.2f}", f"{st['deliver_ms']:.2f}",
                        f"{st['prefill_s_total']:.3f}")
         console.print(tt)
-    sj = res["late_joiner_stall"]
-    console.print(f"late joiner ({sj['joiner_prompt']} prompt tokens, chunk {sj['chunk']}, "
-                  f"{sj['prefill_iterations']} prefill iterations): running row's gap before {sj['median_gap_before_s']:.4f}s, "
-                  f"max during the join {sj['max_gap_during_s']:.4f}s; one chunk's prefill {sj['mean_chunk_prefill_s']:.4f}s, "
-                  f"whole prompt {sj['whole_prefill_s']:.4f}s")
     out = out or Path("reports/results") / f"engine-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str))
+    sj = res["late_joiner_stall"]
+
+    def s4(x):
+        return "n/a" if x is None else f"{x:.4f}s"
+
+    if "error" in sj:
+        console.print(f"[red]late-joiner measurement failed:[/] {sj['error']}")
+    else:
+        console.print(f"late joiner ({sj['joiner_prompt']} prompt tokens, chunk {sj['chunk']}, "
+                      f"{sj['prefill_iterations']} prefill iterations): running row's gap before "
+                      f"{s4(sj['median_gap_before_s'])}, max during the join {s4(sj['max_gap_during_s'])}; one chunk's "
+                      f"prefill {s4(sj['mean_chunk_prefill_s'])}, whole prompt {s4(sj['whole_prefill_s'])}")
     console.print(f"wrote {out}")
