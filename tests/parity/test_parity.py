@@ -56,8 +56,8 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     assert out["ok"] and all(x["ok"] for x in res)
     live = [x for x in res if x["against"] == "live"]
     gold = [x for x in res if x["against"].startswith("golden")]
-    assert len(live) == len(gold) == 272  # 6 presets x (5 + special) cases x B=1..4 x 2 dtypes
-    assert sum(x["steps"] for x in live) > 6500  # coverage: 6972 row-steps at schema 2
+    assert len(live) == len(gold) == 320  # 6 presets x (6 general + special) cases x B=1..4 x 2 dtypes
+    assert sum(x["steps"] for x in live) > 7500  # coverage: 7932 row-steps (schema 2 plus the burst case)
     assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
     if (ROOT / "goldens" / out["machine_key"]).is_dir():
         assert all(x["against"] == "golden:machine" for x in gold)
