@@ -91,7 +91,7 @@ def prompts(B, L, vocab, seed):
     return [rng.integers(3, vocab - 1, size=L).tolist() for _ in range(B)]
 
 
-def peer(model, tok, ps, gen):
+def peer(model, ps, gen):
     from mlx_lm.generate import BatchGenerator
 
     bg = BatchGenerator(model, max_tokens=gen, stop_tokens=None, completion_batch_size=len(ps),
@@ -193,6 +193,13 @@ def threaded(eng, ps, gen):
     return steady(stamps), eng.step_timing()
 
 
+def show(row: dict) -> None:
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                      if not k.endswith(("timing", "phases"))}), flush=True)
+    print("  phases", {k: {p: (round(x, 2) if isinstance(x, float) else x) for p, x in v.items()}
+                       for k, v in row.items() if k.endswith("phases")}, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -212,27 +219,25 @@ def main():
     res = []
     try:
         w = prompts(2, a.prompt_len, vocab, 5)
-        peer(model, tok, w, 8), direct(model, tok, w, 8, a.chunk), threaded(eng, w, 8)
+        peer(model, w, 8), direct(model, tok, w, 8, a.chunk), threaded(eng, w, 8)
         for rep in range(a.repeats):
             for B in batches:
                 ps = prompts(B, a.prompt_len, vocab, 100 * rep + B)
                 row = {"B": B, "repeat": rep}
                 phases()
-                row["peer_ms"] = peer(model, tok, ps, a.gen)
+                row["peer_ms"] = peer(model, ps, a.gen)
                 row["peer_phases"] = phases()
                 if B == 1:
                     row["peer_single_ms"] = peer_single(model, tok, ps[0], a.gen)
                 row["direct_ms"], row["direct_timing"] = direct(model, tok, ps, a.gen, a.chunk)
                 row["direct_phases"] = phases()
                 row["direct_onecohort_ms"], _ = direct(model, tok, ps, a.gen, max(a.chunk, B * a.prompt_len))
+                row["direct_onecohort_phases"] = phases()
                 row["thread_ms"], row["thread_timing"] = threaded(eng, ps, a.gen)
                 row["thread_phases"] = phases()
                 if a.quick:
                     res.append(row)
-                    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                                      if not k.endswith(("timing", "phases"))}), flush=True)
-                    print("  phases", {k: {p: (round(x, 2) if isinstance(x, float) else x) for p, x in v.items()} for k, v in row.items()
-                                       if k.endswith("phases")}, flush=True)
+                    show(row)
                     continue
                 runner = direct(model, tok, ps, a.gen, a.chunk, keep_caches=True)
                 row["raw_ours_ms"] = raw(model, runner.caches, runner.register, a.gen)
@@ -241,10 +246,7 @@ def main():
                 row["raw_peer_ms"] = raw(model, c, t, a.gen)
                 del c
                 mx.clear_cache()
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
-                                  if not k.endswith(("timing", "phases"))}), flush=True)
-                print("  phases", {k: {p: (round(x, 2) if isinstance(x, float) else x) for p, x in v.items()} for k, v in row.items()
-                                   if k.endswith("phases")}, flush=True)
+                show(row)
                 print("  direct timing", {k: round(v, 3) for k, v in row["direct_timing"].items()}, flush=True)
                 print("  thread timing", {k: round(v, 3) for k, v in row["thread_timing"].items()}, flush=True)
                 res.append(row)

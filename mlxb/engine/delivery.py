@@ -59,23 +59,17 @@ class Delivery:
                 last = RequestOutput(req.request_id, None, text if hit else text + live.stop.flush())
             return self.finish(live, RequestStatus.FINISHED_STOPPED, last=last)
         req.num_generated += 1
-        status = None
-        if live.defer_text:
-            if req.num_generated >= req.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            out = RequestOutput(req.request_id, em.token, None, em.logprob)
+        status = RequestStatus.FINISHED_LENGTH if req.num_generated >= req.max_tokens else None
+        text = None  # deferred: the consumer makes the text
+        if not live.defer_text:
+            live.detok.add_token(em.token)
             if status is not None:
-                return self.finish(live, status, last=out)
-            return None if self.send(live, out) else self.finish(live, RequestStatus.FINISHED_ABORTED)
-        live.detok.add_token(em.token)
-        if req.num_generated >= req.max_tokens:
-            live.detok.finalize()
-            status = RequestStatus.FINISHED_LENGTH
-        text, hit = live.stop.feed(live.detok.last_segment)
-        if hit:
-            status = RequestStatus.FINISHED_STOPPED
-        elif status is not None:
-            text += live.stop.flush()
+                live.detok.finalize()
+            text, hit = live.stop.feed(live.detok.last_segment)
+            if hit:
+                status = RequestStatus.FINISHED_STOPPED
+            elif status is not None:
+                text += live.stop.flush()
         out = RequestOutput(req.request_id, em.token, text, em.logprob)
         if status is not None:
             return self.finish(live, status, last=out)

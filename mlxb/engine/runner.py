@@ -166,15 +166,9 @@ class Runner:
         if self.capture is not None and self._geo_layer is not None:
             c = caches[self._geo_layer]
             geo = [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
-        toks, lps = [], []
-        for i, r in enumerate(rows):
-            if r.context is not None:
-                r.context = mx.concatenate([r.context, last[i : i + 1]])
-            tok, lp = r.sampler(r.context, logits[i : i + 1])
-            toks.append(tok.reshape(1))
-            lps.append(lp)
+        toks_arr, lps = self._sample_rows(rows, last, logits)
+        for r in rows:
             r.solo = []
-        toks_arr = mx.concatenate(toks)
         mx.eval(toks_arr, lps)  # one sync for the whole cohort
         values = toks_arr.tolist()
         out = [self._emit(r, values[i], lps[i], geo[i] if geo else None) for i, r in enumerate(rows)]
@@ -224,6 +218,19 @@ class Runner:
             self.pending_geo.append(None)
 
     # ---- decode ----------------------------------------------------------------------------
+    @staticmethod
+    def _sample_rows(rows: list[Row], inputs: mx.array, logits: mx.array) -> tuple[mx.array, list]:
+        """Per-row processors and sampler over batch ``logits`` ([n, V]) whose step consumed ``inputs``
+        ([n]). Returns the sampled tokens ([n]) and each row's logprobs ([1, V])."""
+        toks, lps = [], []
+        for i, r in enumerate(rows):
+            if r.context is not None:
+                r.context = mx.concatenate([r.context, inputs[i : i + 1]])
+            tok, lp = r.sampler(r.context, logits[i : i + 1])
+            toks.append(tok.reshape(1))
+            lps.append(lp)
+        return mx.concatenate(toks), lps
+
     def _needs_vectors(self, row: Row) -> bool:
         return self.capture is not None or not row.plain
 
@@ -241,14 +248,8 @@ class Runner:
             sampled = mx.argmax(logprobs, axis=-1)
             new_pending = [logprobs[i : i + 1] for i in range(len(rows))] if self.capture else [True] * len(rows)
         else:
-            toks, new_pending = [], []
-            for i, r in enumerate(rows):
-                if r.context is not None:
-                    r.context = mx.concatenate([r.context, inputs[i : i + 1]])
-                t, lp = r.sampler(r.context, logits[i : i + 1])
-                toks.append(t.reshape(1))
-                new_pending.append(lp if self._needs_vectors(r) else True)
-            sampled = mx.concatenate(toks)
+            sampled, lps = self._sample_rows(rows, inputs, logits)
+            new_pending = [lp if self._needs_vectors(r) else True for r, lp in zip(rows, lps)]
         t1 = time.perf_counter()
         mx.async_eval(sampled, [p for p in new_pending if p is not True])
         t2 = time.perf_counter()
