@@ -208,19 +208,19 @@ def engine(
     for c in ("metric", "B", "ours (median)", "mlx-lm (median)", "ratio min", "ratio median", "ratio max"):
         t.add_column(c)
     for r in res["summary"]:
-        t.add_row(r["metric"], str(r["B"]), f"{r['ours_median']:.1f}", f"{r['peer_median']:.1f}",
+        t.add_row(r["metric"].removesuffix("_tps").replace("_", " "), str(r["B"]), f"{r['ours_median']:.1f}", f"{r['peer_median']:.1f}",
                   f"{r['ratio_min']:.3f}", f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
     console.print(t)
-    agg = [r for r in res["rows"] if r["metric"] == "aggregate_tps"]
+    agg = [r for r in res["rows"] if r["metric"] in ("aggregate_tps", "aggregate_ragged_tps")]
     if agg:
         tt = Table(title="where our time goes (last repeat; ms per decode step, host side)")
         for c in ("B", "wall s", "peer wall s", "all first tokens s", "peer first s", "steps", "build", "launch",
                   "wait (device)", "emit", "deliver", "prefill s"):
             tt.add_column(c)
-        last = {r["B"]: r for r in agg}
-        for B, r in sorted(last.items()):
+        last = {(r["metric"] != "aggregate_tps", r["B"]): r for r in agg}
+        for (ragged, B), r in sorted(last.items()):
             st = r["ours_step_timing"]
-            tt.add_row(str(B), f"{r['ours_wall_s']:.3f}", f"{r['peer_wall_s']:.3f}", f"{r['ours_all_first_s']:.3f}",
+            tt.add_row(f"{B} ragged" if ragged else str(B), f"{r['ours_wall_s']:.3f}", f"{r['peer_wall_s']:.3f}", f"{r['ours_all_first_s']:.3f}",
                        f"{r['peer_first_s']:.3f}", str(st["steps"]), f"{st['build_ms']:.2f}", f"{st['launch_ms']:.2f}",
                        f"{st['wait_ms']:.2f}", f"{st['emit_ms']:.2f}", f"{st['deliver_ms']:.2f}",
                        f"{st['prefill_s_total']:.3f}")

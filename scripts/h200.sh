@@ -16,7 +16,7 @@ case "$1" in
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
       mlxb bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8,32,64} --prompt-len 128 --gen 128 --repeats ${REPEATS:-3} --prefill-len 2048 \
-        --out "$OUT/engine-$m.json" 2>&1 | tail -14
+        --out "$OUT/engine-$m.json" 2>&1 | tail -32
     done ;;
   profile)
     for m in ${MODELS:-synth-llama-8b}; do

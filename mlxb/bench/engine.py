@@ -8,6 +8,9 @@ exactly ``gen_tokens``.
   (a lone adopted row); the peer is mlx-lm ``stream_generate``.
 * ``aggregate@B``: B requests submitted together; generated tokens / wall time from submission to
   the last token (prefill included, identical work on both sides). Peer: mlx-lm ``BatchGenerator``.
+* ``aggregate_ragged@B`` (largest B): the same with prompt lengths spread over [L/2, 3L/2], so rows
+  are left-padded and both sides attend through a padding mask. With equal lengths no row is
+  padded and our engine skips the mask (mlx-lm builds one anyway); this metric shows the other case.
 * ``prefill``: prompt tokens / time to first token for one request, both sides.
 
 Before the timed repeats each arm runs every B once untimed, with the same prompt length and
@@ -26,14 +29,16 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlxb.engine.engine import Engine
+from mlxb.engine.engine import Engine, freeze_heap
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, length: int, vocab: int, seed: int, ragged: bool = False) -> list[list[int]]:
+    """``n`` random prompts of ``length`` tokens; ``ragged``: lengths drawn from [length/2, 3*length/2]."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, vocab - 1, size=length).tolist() for _ in range(n)]
+    sizes = rng.integers(max(1, length // 2), length * 3 // 2 + 1, size=n) if ragged else [length] * n
+    return [rng.integers(3, vocab - 1, size=int(k)).tolist() for k in sizes]
 
 
 def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
@@ -158,6 +163,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         progress: Optional[Callable[[str], None]] = None) -> dict:
     vocab = int(getattr(model.args, "vocab_size", 8192))
     engine = Engine(model, tokenizer, max_batch=max(batches)).start()
+    freeze_heap()  # as `mlxb serve` does; both arms run in this process and share it
     say = progress or (lambda s: None)
     rows: list[dict] = []
     try:
@@ -165,9 +171,11 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         ours(engine, warm, 8)
         peer_batch(model, warm, 8)
         peer_single(model, tokenizer, warm[0], 8)
-        for B in batches:  # every shape each arm will meet, once, untimed
-            say(f"warm-up B={B}")
-            ps = _prompts(B, prompt_len, vocab, 5000 + B)
+        big = max(batches)
+        shapes = [(B, False) for B in batches] + ([(big, True)] if big > 1 else [])
+        for B, ragged in shapes:  # every shape each arm will meet, once, untimed
+            say(f"warm-up B={B}{' ragged' if ragged else ''}")
+            ps = _prompts(B, prompt_len, vocab, 5000 + B, ragged)
             ours(engine, ps, gen)
             peer_batch(model, ps, gen)
         for rep in range(repeats):
@@ -180,12 +188,12 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             a, b = ours(engine, [pp], 2), peer_single(model, tokenizer, pp, 2)
             rows.append({"metric": "prefill_tps", "B": 1, "repeat": rep, "ours": prefill_len / a["ttft"],
                          "peer": prefill_len / b["ttft"], "peer_name": "mlx_lm.stream_generate"})
-            for B in batches:
-                say(f"repeat {rep + 1}/{repeats}: aggregate B={B}")
-                ps = _prompts(B, prompt_len, vocab, 1000 * rep + B)
+            for B, ragged in shapes:
+                say(f"repeat {rep + 1}/{repeats}: aggregate B={B}{' ragged' if ragged else ''}")
+                ps = _prompts(B, prompt_len, vocab, 1000 * rep + B, ragged)
                 a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
                 assert a["tokens"] == b["tokens"] == B * gen, (a, b)
-                rows.append({"metric": "aggregate_tps", "B": B, "repeat": rep, "ours": a["tokens"] / a["wall"],
+                rows.append({"metric": "aggregate_ragged_tps" if ragged else "aggregate_tps", "B": B, "repeat": rep, "ours": a["tokens"] / a["wall"],
                              "peer": b["tokens"] / b["wall"], "peer_name": "mlx_lm.BatchGenerator",
                              "ours_wall_s": a["wall"], "peer_wall_s": b["wall"], "ours_all_first_s": a["all_first_s"],
                              "peer_first_s": b["ttft"], "ours_step_timing": a["timing"]})

@@ -19,6 +19,11 @@ Row operations (all on mlx-lm caches; batch caches are left-padded, see ``BatchK
 
 The single-row (adopted) caches are KVCache / RotatingKVCache / ArraysCache: a row alone in the
 batch keeps them, so a B=1 step is the serial graph.
+
+Full and latent batch layers are ``AlignedBatchKVCache``: mlx-lm's ``BatchKVCache`` plus a host-side
+``aligned`` flag the runner sets when no row has left padding. A one-token step over an aligned
+batch then needs no attention mask (every key is visible to every row), exactly like the single-row
+cache; the mask is skipped, which on some backends also selects a faster attention kernel.
 """
 
 from __future__ import annotations
@@ -35,12 +40,23 @@ from mlx_lm.models.cache import (
 
 from mlxb.engine.outputs import KVProjection, LayerBytes
 
+class AlignedBatchKVCache(BatchKVCache):
+    """``BatchKVCache`` whose owner may declare it unpadded (``aligned``); see the module notes."""
+
+    aligned = False  # set by the runner from host-side row lengths; never guessed
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if N == 1 and self.aligned and not return_array:
+            return None  # the same result as an all-True mask
+        return super().make_mask(N, return_array=return_array, **kwargs)
+
+
 LATENT_MODEL_TYPES = {"glm4_moe_lite", "deepseek_v2", "deepseek_v3", "kimi_k2"}
 
 
 def layer_kind(cache, latent: bool = False) -> Optional[str]:
     """Capability-based kind of one layer cache; None means not batchable."""
-    if isinstance(cache, (KVCache, BatchKVCache)) and type(cache) in (KVCache, BatchKVCache):
+    if type(cache) in (KVCache, BatchKVCache, AlignedBatchKVCache):
         return "latent" if latent else "full"
     if isinstance(cache, (RotatingKVCache, BatchRotatingKVCache)):
         return "rotating"
@@ -57,22 +73,24 @@ def layer_kinds(model) -> list[Optional[str]]:
 
 
 class _Full:
-    batch_cls = BatchKVCache
+    batch_cls = AlignedBatchKVCache
 
     def to_batch(self, solos):
-        return BatchKVCache.merge(solos)
+        if all(s.size() == 0 for s in solos):  # mlx-lm's merge returns its own class when empty
+            return AlignedBatchKVCache([0] * len(solos))
+        return AlignedBatchKVCache.merge(solos)
 
     def join(self, batch, solo, mode: str = "extend"):
         if mode == "merge":
             rows = [batch.extract(i) for i in range(batch.offset.shape[0])]
-            return BatchKVCache.merge(rows + [solo])
-        batch.extend(BatchKVCache.merge([solo]))
+            return self.to_batch(rows + [solo])
+        batch.extend(self.to_batch([solo]))
         return batch
 
     def join_batch(self, batch, cohort, mode: str = "extend"):
         if mode == "merge":
             rows = [c.extract(i) for c in (batch, cohort) for i in range(c.offset.shape[0])]
-            return self.batch_cls.merge(rows)
+            return self.to_batch(rows)
         batch.extend(cohort)
         return batch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlxb.engine.engine import Engine
+from mlxb.engine.engine import Engine, freeze_heap
 from mlxb.engine.gateway import Gateway, context_limit
 from mlxb.models import load_model
 
@@ -17,4 +17,5 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                     context_limit=context_limit(m), **engine_kw).start()
     gw = Gateway(engine, tok, model_name=spec.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
     gw.spec, gw.path = spec, path
+    freeze_heap()
     return gw

@@ -14,6 +14,10 @@ It executes the scheduler's decisions on one running batch:
 * ``decode_step`` is pipelined like mlx-lm's ``GenerationBatch``: it builds and launches step
   t+1 from the unread token register, then reads step t's tokens as integers.
 * ``filter`` retires rows (the extra lookahead KV write of a finished row is dropped with it).
+
+After every join and filter the runner marks its full-attention batch caches ``aligned`` when every
+row's token count (known on the host: prompt tokens plus one per decode step) reaches the buffer
+index, i.e. no row is left-padded; a one-token step then runs without an attention mask.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from mlxb.engine.sampler import RowSampler
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
-FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token")
+FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Row:
     context: Optional[mx.array] = None  # token history for penalty processors
     steps: int = 0  # tokens sampled so far (token 0 included)
     plain: bool = False  # plain greedy (sampling params never change): one batched argmax serves it
+    base: int = 0  # tokens in this row's full-attention cache, minus the runner's step count at join
 
 
 @dataclass
@@ -149,6 +154,8 @@ class Runner:
         if "double_last_token" in self.faults:
             bodies = [r.req.prompt_ids for r in rows]  # planted bug: the held-back token is fed twice
         lengths = [len(b) for b in bodies]
+        for r, n in zip(rows, lengths):
+            r.base = n + 1 - self.num_steps  # the body plus the held-back last token
         width = max(lengths)
         if width > 0:
             pad = [width - n for n in lengths]
@@ -196,10 +203,13 @@ class Runner:
             self.pending.append(None)
             if self.pending_geo is not None:
                 self.pending_geo.append(None)
+        self._align()
 
     # ---- join ------------------------------------------------------------------------------
     def join(self, row: Row, token0: int) -> None:
         tok = mx.array([token0], dtype=mx.uint32)
+        if self._geo_layer is not None:
+            row.base = int(row.solo[self._geo_layer].offset) - self.num_steps
         if not self.rows:
             self.caches, self.merged = row.solo, False  # adopt: the B=1 step is the serial graph
             self.register = tok
@@ -216,6 +226,7 @@ class Runner:
         self.pending.append(None)
         if self.pending_geo is not None:
             self.pending_geo.append(None)
+        self._align()
 
     # ---- decode ----------------------------------------------------------------------------
     @staticmethod
@@ -296,6 +307,16 @@ class Runner:
         self.pending = [self.pending[i] for i in keep]
         if self.pending_geo is not None:
             self.pending_geo = [self.pending_geo[i] for i in keep]
+        self._align()
+
+    def _align(self) -> None:
+        """Mark full-attention batch caches aligned iff no row is left-padded (host-side lengths)."""
+        if not self.merged or self._geo_layer is None:
+            return
+        planted = "always_aligned" in self.faults  # planted bug: padded rows attend to their padding
+        for k, c in zip(self.kinds, self.caches):
+            if k in ("full", "latent") and hasattr(c, "aligned"):
+                c.aligned = planted or all(r.base + self.num_steps == c._idx for r in self.rows)
 
     def drop_all(self) -> None:
         self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False

@@ -64,7 +64,7 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
 
 
 @pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
-                                        ("double_last_token", "static")])
+                                        ("double_last_token", "static"), ("always_aligned", "join")])
 def test_negative_control_fails(fault, case):
     r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", case, "--against", "both", "--plant-fault", fault)
     assert r.returncode == 1, r.stdout

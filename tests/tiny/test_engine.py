@@ -229,3 +229,32 @@ def test_kv_budget_rejects_alone_and_reports_bytes(tiny_models):
     assert proj.row_bytes(1000) - proj.row_bytes(500) < proj.row_bytes(500) - proj.row_bytes(0)
     with pytest.raises(KVBudgetError, match="raise --kv-budget"):
         eng.check_admissible(Request("x", list(range(3, 400)), 400))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3.5", "tiny-glm-mla"])
+def test_aligned_flag_matches_left_padding(name, tiny_models):
+    """The host-side ``aligned`` flag (no mask for a one-token step) must equal 'no row is
+    left-padded' after every join and filter, without reading the padding from the device."""
+    from mlxb.cache.protocol import AlignedBatchKVCache
+
+    model, tok, _, _ = tiny_models(name)
+    eng = Engine(model, tok, max_batch=4, prefill_chunk=32)
+    rng = np.random.default_rng(3)
+    # equal lengths arriving together (aligned), then a longer joiner (padded), then rows leaving
+    plan = [(0, 20, 6), (0, 20, 9), (3, 40, 12), (5, 20, 20)]  # (arrival iteration, prompt len, max_tokens)
+    seen, it = set(), 0
+    while it < 60:
+        for k, (at, n, mt) in enumerate(plan):
+            if at == it:
+                eng.accept(Request(f"a{k}", rng.integers(3, 8000, size=n).tolist(), mt, ignore_eos=True),
+                           OutputStream(f"a{k}"))
+        eng.iterate()
+        it += 1
+        full = [c for c in eng.runner.caches or [] if isinstance(c, AlignedBatchKVCache)]
+        for c in full:
+            padded = max(c.left_padding.tolist()) > 0
+            assert c.aligned == (not padded), (it, c.left_padding.tolist())
+            seen.add(c.aligned)
+        if not eng.scheduler.has_work() and it > 6:
+            break
+    assert seen == {True, False}, seen  # both states were exercised
