@@ -17,7 +17,7 @@ def serve(
     batch: int = typer.Option(8, "--batch", "--decode-concurrency", min=1, help="Concurrency cap (rows decoding together); 1 = strict serial."),
     prompt_concurrency: Optional[int] = typer.Option(None, "--prompt-concurrency", min=1, help="Most joiners prefilled in one iteration (each alone, within one --prefill-step-size of tokens); default: --batch."),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="Most prompt tokens of joiner prefill between two decode steps (the stall bound for running rows)."),
-    prefill_burst: Optional[int] = typer.Option(None, "--prefill-burst", min=1, help="Prompt tokens one iteration may prefill when the engine is idle (nothing decodes, so nothing stalls); default: 4 x --prefill-step-size."),
+    prefill_burst: Optional[int] = typer.Option(None, "--prefill-burst", min=1, help="Prompt tokens one iteration may prefill when the engine is idle (nothing decodes, so nothing stalls); default: 8 x --prefill-step-size (mlx-lm's default prompt batch: 8 x 2048 tokens)."),
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV byte budget for admission, e.g. 2GB, 512MiB, 100000."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Default max_tokens when a request gives none."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="A Jinja chat template string overriding the tokenizer's."),

@@ -14,7 +14,8 @@ whole prompts as one batched cohort), a long one is split across iterations and 
 Either way running rows stall for at most one chunk's worth of prefill between two decode steps.
 
 When the engine is idle (no row decoding, no prefill in flight) nothing can stall, so that
-iteration may spend up to ``prefill_burst`` tokens (default four chunks): a burst that arrives at
+iteration may spend up to ``prefill_burst`` tokens (default eight chunks, 16384 tokens at the default
+chunk: the largest forward mlx-lm's own default prompt batch runs, 8 prompts x 2048): a burst that arrives at
 an idle engine is prefilled as one cohort, as mlx-lm's prompt batch does, and its rows then decode
 and finish in step. One chunk is still at most ``prefill_chunk`` tokens.
 
@@ -46,7 +47,7 @@ class Scheduler:
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
-        self.prefill_burst = max(prefill_burst or 4 * prefill_chunk, prefill_chunk)
+        self.prefill_burst = max(prefill_burst or 8 * prefill_chunk, prefill_chunk)
         self.context_limit = context_limit
         self.kv_budget = kv_budget
         self.row_bytes = row_bytes

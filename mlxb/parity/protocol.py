@@ -6,7 +6,7 @@ into the exact event timeline of the continuous-batching protocol, one entry per
 
 1. rows whose ``arrive`` equals the iteration enter the FIFO queue (in row order);
 2. joiner prefill spends at most ``prefill_chunk`` tokens (the held-back last prompt token's L=1
-   step counts as one; an iteration that starts idle, with no batch and no prefill in flight, may spend four chunks' worth,
+   step counts as one; an iteration that starts idle, with no batch and no prefill in flight, may spend eight chunks' worth,
    the engine's default ``prefill_burst``, but one chunk is never longer than ``prefill_chunk``): continue the prefill in flight, then admit the queue head while running +
    prefilling rows stay under B; a row whose last chunk runs samples token 0 alone and joins at
    the end of the batch (a row with ``max_tokens == 1`` ends there and never joins); when two or more
@@ -109,8 +109,8 @@ def plan(case: Case) -> list[Iteration]:
     while len(done) < len(rows):
         it = Iteration()
         waiting += [i for i, r in enumerate(rows) if r.arrive == k]
-        idle = not batch and not prefilling  # the engine's default prefill_burst: four chunks
-        budget, j = (4 * case.prefill_chunk if idle else case.prefill_chunk), 0
+        idle = not batch and not prefilling  # the engine's default prefill_burst: eight chunks
+        budget, j = (8 * case.prefill_chunk if idle else case.prefill_chunk), 0
         while budget > 0 and j < case.b:
             if j < len(prefilling):
                 r = prefilling[j]

@@ -159,8 +159,8 @@ def test_burst_of_short_joiners_shares_one_chunk_budget():
 
 
 def test_idle_burst_takes_whole_prompts_past_one_chunk_but_never_a_longer_chunk():
-    s = Scheduler(max_batch=8, prefill_chunk=25)  # default burst: 4 chunks = 100 tokens
-    assert s.prefill_burst == 100
+    s = Scheduler(max_batch=8, prefill_chunk=25)  # default burst: 8 chunks = 200 tokens
+    assert s.prefill_burst == 200
     for i in range(5):
         s.add(req(f"r{i}", n_prompt=10))
     s.add(req("long", n_prompt=60))
