@@ -237,7 +237,9 @@ def engine(
         console.print(f"[red]late-joiner measurement failed:[/] {sj['error']}")
     else:
         console.print(f"late joiner ({sj['joiner_prompt']} prompt tokens, chunk {sj['chunk']}, "
-                      f"{sj['prefill_iterations']} prefill iterations): running row's gap before "
-                      f"{s4(sj['median_gap_before_s'])}, max during the join {s4(sj['max_gap_during_s'])}; one chunk's "
-                      f"prefill {s4(sj['mean_chunk_prefill_s'])}, whole prompt {s4(sj['whole_prefill_s'])}")
+                      f"{sj['prefill_iterations']} prefill iterations; last of {len(sj['joiners'])} joiners): running "
+                      f"row's gap before {s4(sj['median_gap_before_s'])}, max during the join "
+                      f"{s4(sj['max_gap_during_s'])}; one chunk's prefill {s4(sj['mean_chunk_prefill_s'])}, whole prompt "
+                      f"{s4(sj['whole_prefill_s'])} (every joiner's max gap: "
+                      f"{', '.join(s4(j['max_gap_during_s']) for j in sj['joiners'])})")
     console.print(f"wrote {out}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|serve
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -23,6 +23,14 @@ case "$1" in
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
       python3 scripts/profile_decode.py /var/tmp/$m --batches ${BATCHES:-1,8,32,64} --gen 96 --repeats ${REPEATS:-2} \
         --out "$OUT/profile-$m.json" 2>&1 | grep -v Warning
+    done ;;
+  diag)  # what the padding mask costs a step; the late-joiner stall over three joiners
+    for m in ${MODELS:-synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      python3 scripts/mask_cost.py /var/tmp/$m --batches ${BATCHES:-8,64} 2>&1 | grep -v Warning | tee "$OUT/mask-$m.txt"
+      python3 -c "import json,sys; from mlxb.models import load_model; from mlxb.bench.engine import late_joiner_stall as f
+m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent=1)" /var/tmp/$m "$OUT/stall-$m.json"
+      cat "$OUT/stall-$m.json"
     done ;;
   serve)
     m=synth-llama-8b

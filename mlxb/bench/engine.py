@@ -16,8 +16,8 @@ exactly ``gen_tokens``.
 
 Before the timed repeats each arm runs every B once untimed, with the same prompt length and
 ``gen``: MLX compiles kernels for each new shape on first use (seconds on CUDA), and a row set that
-retires in stages meets shapes a single warm-up at B=2 never shows. The late-joiner stall is timed
-on a second joiner for the same reason.
+retires in stages meets shapes a single warm-up at B=2 never shows. The late-joiner stall is judged
+on the last of three joiners for the same reason (each joiner's stall is kept in the result).
 """
 
 from __future__ import annotations
@@ -104,11 +104,15 @@ def peer_batch(model, prompts: list[list[int]], gen: int) -> dict:
     return {"tokens": n, "wall": end - t0, "ttft": first - t0}
 
 
-def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vocab: int = 8192) -> dict:
-    """A row decodes; a joiner with ``chunks`` x ``chunk`` prompt tokens arrives. Returns the running
-    row's inter-token gaps before and during the joiner's prefill, next to the mean time of one
-    prefill iteration (one chunk) and of the whole prompt: the scheduler promises a stall of at most
-    one chunk (plus the decode step itself), not the whole prompt."""
+def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vocab: int = 8192,
+                      joiners: int = 3) -> dict:
+    """A row decodes; joiners with ``chunks`` x ``chunk`` prompt tokens arrive one after another.
+    Returns, per joiner, the running row's largest inter-token gap while that joiner prefilled, next
+    to the gap before the joins and the mean time of one prefill iteration (one chunk) and of the
+    whole prompt: the scheduler promises a stall of at most one chunk (plus the decode step and the
+    joiner's first-token step), not the whole prompt. The first joiner warms shapes and is reported
+    but not judged; MLX compiles kernels for a shape on first use (seconds on CUDA), and the second
+    joiner meets a merged one-row batch the first did not, so the third shows the steady state."""
     import threading
 
     eng = Engine(model, tokenizer, max_batch=2, prefill_chunk=chunk).start()
@@ -129,35 +133,39 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
         th.start()
         while len(stamps) < 20:
             time.sleep(0.005)
-        t_quiet = 0.0
-        for seed in (9, 8):  # the first joiner warms the shapes; the second is timed
+        t0_join = None
+        windows, timings = [], []
+        for j in range(joiners):
             time.sleep(0.15)
             eng.runner.timing.clear()
-            joiner = Request(f"stall-join-{time.perf_counter_ns()}", _prompts(1, chunk * chunks + 1, vocab, seed)[0],
-                             2, ignore_eos=True)
+            joiner = Request(f"stall-join-{time.perf_counter_ns()}",
+                             _prompts(1, chunk * chunks + 1, vocab, 9 + j)[0], 2, ignore_eos=True)
             js = OutputStream(joiner.request_id)
             t_submit = time.perf_counter()
+            t0_join = t0_join or t_submit
             eng.submit(joiner, js)
             next(o for o in js if o.token is not None)
             t_first = time.perf_counter()
             list(js)
-            t_quiet = t_quiet or time.perf_counter()
+            windows.append((t_submit, t_first))
+            timings.append(dict(eng.runner.timing))
         time.sleep(0.2)
         eng.cancel(runner.request_id)
         th.join(10)
-        tm = dict(eng.runner.timing)
     finally:
         eng.shutdown()
-    before = [b - a for a, b in zip(stamps, stamps[1:]) if a > t_quiet and b < t_submit]
-    if not before:  # no quiet gap between the two joiners was seen: fall back to the gaps before the first
-        before = [b - a for a, b in zip(stamps[:20], stamps[1:20])]
-    during = [b - a for a, b in zip(stamps, stamps[1:]) if b > t_submit and a < t_first]
-    iters = tm.get("prefill_iterations", 0) or 1
-    return {"chunk": chunk, "joiner_prompt": chunk * chunks + 1, "prefill_iterations": int(tm.get("prefill_iterations", 0)),
-            "mean_chunk_prefill_s": tm.get("prefill_s", 0.0) / iters, "whole_prefill_s": tm.get("prefill_s", 0.0),
+    before = [b - a for a, b in zip(stamps, stamps[1:]) if b < t0_join]
+    per = []
+    for (ts, tf), tm in zip(windows, timings):
+        during = [b - a for a, b in zip(stamps, stamps[1:]) if b > ts and a < tf]
+        iters = tm.get("prefill_iterations", 0) or 1
+        per.append({"max_gap_during_s": max(during) if during else None, "joiner_ttft_s": tf - ts,
+                    "prefill_iterations": int(tm.get("prefill_iterations", 0)),
+                    "mean_chunk_prefill_s": tm.get("prefill_s", 0.0) / iters, "whole_prefill_s": tm.get("prefill_s", 0.0)})
+    last = per[-1]
+    return {"chunk": chunk, "joiner_prompt": chunk * chunks + 1, **last,
             "median_gap_before_s": statistics.median(before[-10:]) if before else None,
-            "max_gap_during_s": max(during) if during else None, "joiner_ttft_s": t_first - t_submit,
-            "running_row_tokens": len(stamps)}
+            "joiners": per, "running_row_tokens": len(stamps)}
 
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
