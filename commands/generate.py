@@ -42,7 +42,7 @@ def generate(
         texts = [prompt] * concurrency
     else:
         raise ValidationError("give --prompt TEXT or --prompts-file FILE")
-    gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens)
+    gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False)  # one-shot
     try:
         results = _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput)
     finally:

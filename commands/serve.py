@@ -25,6 +25,7 @@ def serve(
     max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Request body size limit (413 above it)."),
     log_level: str = typer.Option("info", "--log-level"),
     dtype: DtypeOpt = None,
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
     import uvicorn
@@ -35,13 +36,15 @@ def serve(
     budget = parse_bytes(kv_budget) if kv_budget else None
     with console.status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
-                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template)
+                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template,
+                           warmup=warmup)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
     console.print(f"[bold green]mlxb serve[/] http://{host}:{port}/v1  model={gw.model_name}"
                   f"{' (synthetic, random weights)' if gw.spec.synthetic else ''}  device={mx.default_device()}  "
-                  f"mode={gw.engine.mode} (batch {batch})")
+                  f"mode={gw.engine.mode} (batch {batch})"
+                  + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else ""))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level == "debug")
     server = uvicorn.Server(config)

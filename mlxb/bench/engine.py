@@ -32,6 +32,7 @@ import numpy as np
 
 from mlxb.engine.engine import Engine, freeze_heap
 from mlxb.engine.stream import OutputStream
+from mlxb.engine.warmup import warm_up
 from mlxb.request import Request
 
 
@@ -110,12 +111,13 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
     Returns, per joiner, the running row's largest inter-token gap while that joiner prefilled, next
     to the gap before the joins and the mean time of one prefill iteration (one chunk) and of the
     whole prompt: the scheduler promises a stall of at most one chunk (plus the decode step and the
-    joiner's first-token step), not the whole prompt. The first joiner warms shapes and is reported
-    but not judged; MLX compiles kernels for a shape on first use (seconds on CUDA), and the second
-    joiner meets a merged one-row batch the first did not, so the third shows the steady state."""
+    joiner's first-token step), not the whole prompt. The engine is warmed up first, as `mlxb serve`
+    does; every joiner's stall is kept, and the last one is the headline."""
     import threading
 
-    eng = Engine(model, tokenizer, max_batch=2, prefill_chunk=chunk).start()
+    eng = Engine(model, tokenizer, max_batch=2, prefill_chunk=chunk)
+    warm_up(eng)  # as `mlxb serve` does before traffic
+    eng.start()
     try:
         ps = _prompts(2, 32, vocab, 7)
         ours(eng, [ps[0]], 4)  # warm the shapes
@@ -171,7 +173,9 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
         progress: Optional[Callable[[str], None]] = None) -> dict:
     vocab = int(getattr(model.args, "vocab_size", 8192))
-    engine = Engine(model, tokenizer, max_batch=max(batches)).start()
+    engine = Engine(model, tokenizer, max_batch=max(batches))
+    warm_up(engine)
+    engine.start()
     freeze_heap()  # as `mlxb serve` does; both arms run in this process and share it
     say = progress or (lambda s: None)
     rows: list[dict] = []

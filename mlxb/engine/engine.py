@@ -82,6 +82,7 @@ class Engine:
         self._stop = threading.Event()
         self.fatal: Optional[BaseException] = None
         self.last_beat = time.monotonic()
+        self.warmup: Optional[dict] = None  # what mlxb.engine.warmup ran before start, if it ran
         self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
         self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
 

@@ -258,3 +258,29 @@ def test_aligned_flag_matches_left_padding(name, tiny_models):
         if not eng.scheduler.has_work() and it > 6:
             break
     assert seen == {True, False}, seen  # both states were exercised
+
+
+@pytest.mark.parametrize("name,batch", [("tiny-llama", 4), ("tiny-gemma3", 2), ("tiny-qwen3.5", 4), ("tiny-llama", 1)])
+def test_warm_up_runs_the_batching_paths_and_leaves_the_engine_clean(name, batch, tiny_models):
+    from mlxb.engine.warmup import SCRIPT, SERIAL, warm_up
+
+    model, tok, _, _ = tiny_models(name)
+    eng = Engine(model, tok, max_batch=batch)
+    stats = warm_up(eng)
+    want = SCRIPT if batch > 1 else SERIAL
+    assert stats["finished"] == ["length"] * len(want)
+    assert (stats["batched_steps"] > 0) == (batch > 1)
+    assert all(v == 0 for v in eng.counters.values()) and not eng._live and not eng.runner.rows
+    assert eng.scheduler.is_idle and eng.scheduler.num_submitted == 0
+    # the warmed engine still serves: greedy output equals mlx-lm's generate_step
+    p = prompts(1, seed=5)[0]
+    ref = [t for t, _ in generate_step(mx.array(p), model, max_tokens=10)]
+    eng.start()
+    try:
+        r = Request("after", p, 10)
+        r.mechanism = "continuous" if batch > 1 else "serial"
+        st = OutputStream(r.request_id)
+        eng.submit(r, st)
+        assert toks([list(st)]) == [ref]
+    finally:
+        eng.shutdown()

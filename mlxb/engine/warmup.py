@@ -1,0 +1,68 @@
+"""Start-up warm-up: run every batching path once before the first request.
+
+MLX compiles a kernel the first time an op meets a new kind of input (dtype, rank, layout); on
+CUDA one such compile takes from a tenth of a second to seconds. Left to traffic, the first late
+joiners pay it while other rows decode: on the H200 (8B shape) the first and second joiners of a
+fresh process stalled the running row 0.7-8.9 s, the third 39-64 ms (``reports/h200/``).
+
+``warm_up`` drives a short scripted schedule through the real scheduler and runner of an engine
+that has not started, the way the parity driver does, so that each path runs once with tiny
+prompts: a lone adopted row, a join into it, retirement to a merged single row, a join onto that
+merged batch, an idle cohort with padding and an aligned one (no mask). Kernels depend on the kind
+of input rather than its exact size, so later traffic with other lengths finds them compiled. The
+engine is left idle with its counters at zero.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mlxb.engine.stream import OutputStream
+from mlxb.request import Request
+
+# (arrival iteration, prompt tokens, max_tokens): at most two rows decode at once
+SCRIPT = [
+    (0, 12, 8),  # alone: adopted single-row caches
+    (2, 20, 12),  # joins the adopted row (longer: the batch is padded); row 0 retires first
+    (10, 9, 5),  # joins the merged single-row batch left by the retirement
+    (22, 10, 4), (22, 16, 4),  # an idle cohort of different lengths (padded)
+    (30, 14, 3), (30, 14, 3),  # an idle cohort of equal lengths (aligned: no mask)
+]
+SERIAL = [(0, 12, 4)]
+
+
+def _ids(n: int, salt: int) -> list[int]:
+    return [(7 * i + 13 * salt) % 200 + 5 for i in range(n)]  # ids every tokenizer has
+
+
+def warm_up(engine, max_iterations: int = 120) -> dict:
+    """Run the script on ``engine`` (not started); returns what ran and how long it took."""
+    assert not engine._thread.is_alive(), "warm up before start()"
+    script = SCRIPT if engine.mode == "batch" else SERIAL
+    mechanism = "continuous" if engine.mode == "batch" else "serial"
+    t0 = time.perf_counter()
+    streams: list[OutputStream] = []
+    it = 0
+    while it < max_iterations:
+        for k, (at, n, max_tokens) in enumerate(script):
+            if at == it:
+                req = Request(f"warmup-{k}", _ids(n, k), max_tokens, ignore_eos=True)
+                req.mechanism = mechanism
+                st = OutputStream(req.request_id)
+                engine.accept(req, st)
+                streams.append(st)
+        engine.iterate()
+        it += 1
+        if len(streams) == len(script) and not engine._live:
+            break
+    if engine._live or len(streams) < len(script):
+        raise RuntimeError(f"warm-up did not finish in {max_iterations} iterations")
+    finished = [list(st)[-1].finish_reason for st in streams]  # every stream is closed by now
+    stats = {"seconds": time.perf_counter() - t0, "iterations": it, "requests": len(streams),
+             "batched_steps": engine.counters["batched_steps"], "finished": finished}
+    engine.runner.drop_all()
+    engine.runner.timing.clear()
+    for key in engine.counters:
+        engine.counters[key] = 0
+    engine.scheduler.num_submitted = 0
+    return stats
