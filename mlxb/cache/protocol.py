@@ -6,7 +6,7 @@ goes through ``ROW_OPS[kind]``, never through class-name checks scattered in the
 Row operations (all on mlx-lm caches; batch caches are left-padded, see ``BatchKVCache``):
 
 * ``to_batch(solos)``   merge single-row caches into one batch cache (rows in order)
-* ``join(batch, solo)`` add one row at the end: full/latent/ssm extend (pad + one batch-axis
+* ``join(batch, solo)`` add one row at the end (the one-row case of ``join_batch``): full/latent/ssm extend (pad + one batch-axis
   concat, running rows untouched); rotating re-merges every row's temporal view, which is safe
   across ring wraps. ``join_full="merge"`` re-merges full layers instead (a different pad layout,
   so it has its own parity case).
@@ -72,20 +72,32 @@ def layer_kinds(model) -> list[Optional[str]]:
     return [layer_kind(c, latent) for c in make_prompt_cache(model)]
 
 
-class _Full:
-    batch_cls = AlignedBatchKVCache
+class _RowOps:
+    """What every kind shares: ``join`` is the one-row case of ``join_batch``."""
 
+    def to_batch(self, solos):
+        raise NotImplementedError
+
+    def join_batch(self, batch, cohort, mode: str):
+        raise NotImplementedError
+
+    def join(self, batch, solo, mode: Optional[str] = None):
+        cohort = self.to_batch([solo])
+        return self.join_batch(batch, cohort) if mode is None else self.join_batch(batch, cohort, mode)
+
+    def filter(self, batch, keep, trim_padding: bool = True):
+        batch.filter(keep)
+        return batch
+
+    def extract(self, batch, i):
+        return batch.extract(i)
+
+
+class _Full(_RowOps):
     def to_batch(self, solos):
         if all(s.size() == 0 for s in solos):  # mlx-lm's merge returns its own class when empty
             return AlignedBatchKVCache([0] * len(solos))
         return AlignedBatchKVCache.merge(solos)
-
-    def join(self, batch, solo, mode: str = "extend"):
-        if mode == "merge":
-            rows = [batch.extract(i) for i in range(batch.offset.shape[0])]
-            return self.to_batch(rows + [solo])
-        batch.extend(self.to_batch([solo]))
-        return batch
 
     def join_batch(self, batch, cohort, mode: str = "extend"):
         if mode == "merge":
@@ -96,8 +108,7 @@ class _Full:
 
     def filter(self, batch, keep, trim_padding: bool = True):
         if trim_padding:
-            batch.filter(keep)
-            return batch
+            return super().filter(batch, keep)
         # NOTE: only the parity negative control takes this branch (planted bug).
         idx = keep
         if batch.keys is not None:
@@ -105,51 +116,25 @@ class _Full:
         batch.offset, batch.left_padding = batch.offset[idx], batch.left_padding[idx]
         return batch
 
-    def extract(self, batch, i):
-        return batch.extract(i)
-
 
 class _Rotating(_Full):
-    batch_cls = BatchRotatingKVCache
-
     def to_batch(self, solos):
         return BatchRotatingKVCache.merge(solos)
-
-    def join(self, batch, solo, mode: str = "merge"):
-        if mode == "extend":
-            batch.extend(BatchRotatingKVCache.merge([solo]))
-            return batch
-        rows = [batch.extract(i) for i in range(batch.offset.shape[0])]
-        return BatchRotatingKVCache.merge(rows + [solo])
 
     def join_batch(self, batch, cohort, mode: str = "merge"):
         return super().join_batch(batch, cohort, "merge" if mode != "extend" else "extend")
 
     def filter(self, batch, keep, trim_padding: bool = True):
-        batch.filter(keep)
-        return batch
+        return _RowOps.filter(self, batch, keep)
 
 
-class _SSM:
-    batch_cls = ArraysCache
-
+class _SSM(_RowOps):
     def to_batch(self, solos):
         return ArraysCache.merge(solos)
-
-    def join(self, batch, solo, mode: str = "extend"):
-        batch.extend(ArraysCache.merge([solo]))
-        return batch
 
     def join_batch(self, batch, cohort, mode: str = "extend"):
         batch.extend(cohort)
         return batch
-
-    def filter(self, batch, keep, trim_padding: bool = True):
-        batch.filter(keep)
-        return batch
-
-    def extract(self, batch, i):
-        return batch.extract(i)
 
 
 ROW_OPS = {"full": _Full(), "latent": _Full(), "rotating": _Rotating(), "ssm": _SSM()}
