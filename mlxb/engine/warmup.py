@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 
 from mlxb.engine.stream import OutputStream
+from mlxb.errors import MlxbError
 from mlxb.request import Request
 
 # (arrival iteration, prompt tokens, max_tokens): at most two rows decode at once
@@ -35,30 +36,46 @@ def _ids(n: int, salt: int) -> list[int]:
     return [(7 * i + 13 * salt) % 200 + 5 for i in range(n)]  # ids every tokenizer has
 
 
-def warm_up(engine, max_iterations: int = 120) -> dict:
-    """Run the script on ``engine`` (not started); returns what ran and how long it took."""
+def warm_up(engine, max_iterations: int = 200) -> dict:
+    """Run the script on ``engine`` (not started); returns what ran and how long it took.
+
+    A row the engine could never admit (a tiny ``--kv-budget`` or context limit) is left out; rows
+    still unfinished after ``max_iterations`` are cancelled, so the engine always ends idle."""
     assert not engine._thread.is_alive(), "warm up before start()"
     script = SCRIPT if engine.mode == "batch" else SERIAL
     mechanism = "continuous" if engine.mode == "batch" else "serial"
+    plan: list[tuple[int, Request]] = []
+    skipped = 0
+    for k, (at, n, max_tokens) in enumerate(script):
+        req = Request(f"warmup-{k}", _ids(n, k), max_tokens, ignore_eos=True)
+        req.mechanism = mechanism
+        try:
+            engine.check_admissible(req)
+        except MlxbError:
+            skipped += 1
+            continue
+        plan.append((at, req))
     t0 = time.perf_counter()
     streams: list[OutputStream] = []
     it = 0
-    while it < max_iterations:
-        for k, (at, n, max_tokens) in enumerate(script):
+    while it < max_iterations and (len(streams) < len(plan) or engine._live):
+        for at, req in plan:
             if at == it:
-                req = Request(f"warmup-{k}", _ids(n, k), max_tokens, ignore_eos=True)
-                req.mechanism = mechanism
                 st = OutputStream(req.request_id)
                 engine.accept(req, st)
                 streams.append(st)
         engine.iterate()
         it += 1
-        if len(streams) == len(script) and not engine._live:
+    for live in engine._live.values():  # did not finish in time: cancel, then drain
+        live.cancelled = True
+    for _ in range(4):
+        if not engine._live:
             break
-    if engine._live or len(streams) < len(script):
-        raise RuntimeError(f"warm-up did not finish in {max_iterations} iterations")
+        engine.iterate()
+    if engine._live:
+        raise RuntimeError("warm-up could not drain its requests")
     finished = [list(st)[-1].finish_reason for st in streams]  # every stream is closed by now
-    stats = {"seconds": time.perf_counter() - t0, "iterations": it, "requests": len(streams),
+    stats = {"seconds": time.perf_counter() - t0, "iterations": it, "requests": len(streams), "skipped": skipped,
              "batched_steps": engine.counters["batched_steps"], "finished": finished}
     engine.runner.drop_all()
     engine.runner.timing.clear()

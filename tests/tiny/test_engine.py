@@ -284,3 +284,18 @@ def test_warm_up_runs_the_batching_paths_and_leaves_the_engine_clean(name, batch
         assert toks([list(st)]) == [ref]
     finally:
         eng.shutdown()
+
+
+def test_warm_up_respects_a_small_kv_budget(tiny_models):
+    from mlxb.engine.warmup import SCRIPT, warm_up
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    one = Engine(model, tok, max_batch=4).projection.row_bytes
+    # room for one 14-token row at a time: the 20-token row is never admissible, the rest queue
+    eng = Engine(model, tok, max_batch=4, kv_budget=one(14 + 3) + one(1) // 2)
+    stats = warm_up(eng)
+    assert stats["skipped"] >= 1 and stats["requests"] == len(SCRIPT) - stats["skipped"]
+    assert stats["finished"] == ["length"] * stats["requests"]
+    assert not eng._live and eng.scheduler.is_idle and eng.scheduler.used_bytes == 0
+    none = Engine(model, tok, max_batch=4, kv_budget=1)
+    assert warm_up(none)["requests"] == 0
