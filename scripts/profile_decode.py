@@ -146,14 +146,20 @@ def raw(model, caches, tok, n):
     return steady(stamps)
 
 
-def direct(model, tok, ps, gen, chunk, keep_caches=False):
-    eng = Engine(model, tok, max_batch=len(ps), prefill_chunk=chunk)
+def requests(ps, gen, prefix, put) -> list[OutputStream]:
+    """One request per prompt (EOS ignored) handed to ``put(request, stream)``; returns the streams."""
     sts = []
     for i, p in enumerate(ps):
-        r = Request(f"d{time.perf_counter_ns()}-{i}", p, gen, ignore_eos=True)
+        r = Request(f"{prefix}{time.perf_counter_ns()}-{i}", p, gen, ignore_eos=True)
         st = OutputStream(r.request_id)
-        eng.accept(r, st)
+        put(r, st)
         sts.append(st)
+    return sts
+
+
+def direct(model, tok, ps, gen, chunk, keep_caches=False):
+    eng = Engine(model, tok, max_batch=len(ps), prefill_chunk=chunk)
+    requests(ps, gen, "d", eng.accept)
     stamps, joined_at = [], None
     eng.runner.timing.clear()
     while eng.scheduler.has_work():
@@ -169,12 +175,7 @@ def direct(model, tok, ps, gen, chunk, keep_caches=False):
 
 def threaded(eng, ps, gen):
     eng.runner.timing.clear()
-    sts = []
-    for i, p in enumerate(ps):
-        r = Request(f"t{time.perf_counter_ns()}-{i}", p, gen, ignore_eos=True)
-        st = OutputStream(r.request_id)
-        eng.submit(r, st)
-        sts.append(st)
+    sts = requests(ps, gen, "t", eng.submit)
     stamps = []
 
     def others():

@@ -119,9 +119,7 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
     warm_up(eng)  # as `mlxb serve` does before traffic
     eng.start()
     try:
-        ps = _prompts(2, 32, vocab, 7)
-        ours(eng, [ps[0]], 4)  # warm the shapes
-        runner = Request(f"stall-run-{time.perf_counter_ns()}", ps[0], 100_000, ignore_eos=True)
+        runner = Request(f"stall-run-{time.perf_counter_ns()}", _prompts(1, 32, vocab, 7)[0], 100_000, ignore_eos=True)
         st = OutputStream(runner.request_id)
         stamps: list[float] = []
         eng.submit(runner, st)
@@ -180,8 +178,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
     say = progress or (lambda s: None)
     rows: list[dict] = []
     try:
-        warm = _prompts(2, prompt_len, vocab, 99)
-        ours(engine, warm, 8)
+        warm = _prompts(2, prompt_len, vocab, 99)  # ours is warmed by warm_up above
         peer_batch(model, warm, 8)
         peer_single(model, tokenizer, warm[0], 8)
         pw = _prompts(1, prefill_len, vocab, 98)[0]  # the prefill metric's shapes, once per arm

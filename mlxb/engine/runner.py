@@ -188,9 +188,24 @@ class Runner:
             return
         if len(keep) < len(rows):
             caches = [ROW_OPS[k].filter(c, keep) for k, c in zip(self.kinds, caches)]
-        tok = mx.array([tokens[i] for i in keep], dtype=mx.uint32)
+        self._attach([rows[i] for i in keep], [tokens[i] for i in keep], caches, merged=True)
+
+    # ---- join ------------------------------------------------------------------------------
+    def join(self, row: Row, token0: int) -> None:
+        """Join one prefilled row: adopted as-is into an empty batch (its B=1 step is the serial
+        graph), otherwise per layer kind as a one-row batch."""
+        if self._geo_layer is not None:
+            row.base = int(row.solo[self._geo_layer].offset) - self.num_steps
+        solo, row.solo = row.solo, []
+        if self.rows:
+            solo = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, solo)]
+        self._attach([row], [token0], solo, merged=bool(self.rows))
+
+    def _attach(self, rows: list[Row], tokens: list[int], caches: list, merged: bool) -> None:
+        """Append ``rows`` whose caches are ``caches`` (batch caches when ``merged``) at the end."""
+        tok = mx.array(tokens, dtype=mx.uint32)
         if not self.rows:
-            self.caches, self.merged, self.register = caches, True, tok
+            self.caches, self.merged, self.register = caches, merged, tok
         else:
             if not self.merged:
                 self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self.caches)]
@@ -198,34 +213,10 @@ class Runner:
             self.caches = [ROW_OPS[k].join_batch(b, c, self.join_mode[k])
                            for k, b, c in zip(self.kinds, self.caches, caches)]
             self.register = mx.concatenate([self.register, tok])
-        for i in keep:
-            self.rows.append(rows[i])
-            self.pending.append(None)
-            if self.pending_geo is not None:
-                self.pending_geo.append(None)
-        self._align()
-
-    # ---- join ------------------------------------------------------------------------------
-    def join(self, row: Row, token0: int) -> None:
-        tok = mx.array([token0], dtype=mx.uint32)
-        if self._geo_layer is not None:
-            row.base = int(row.solo[self._geo_layer].offset) - self.num_steps
-        if not self.rows:
-            self.caches, self.merged = row.solo, False  # adopt: the B=1 step is the serial graph
-            self.register = tok
-        else:
-            if not self.merged:
-                self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self.caches)]
-                self.merged = True
-            self.caches = [
-                ROW_OPS[k].join(b, s, self.join_mode[k]) for k, b, s in zip(self.kinds, self.caches, row.solo)
-            ]
-            self.register = mx.concatenate([self.register, tok])
-        row.solo = []
-        self.rows.append(row)
-        self.pending.append(None)
+        self.rows.extend(rows)
+        self.pending.extend([None] * len(rows))
         if self.pending_geo is not None:
-            self.pending_geo.append(None)
+            self.pending_geo.extend([None] * len(rows))
         self._align()
 
     # ---- decode ----------------------------------------------------------------------------
@@ -313,10 +304,12 @@ class Runner:
         """Mark full-attention batch caches aligned iff no row is left-padded (host-side lengths)."""
         if not self.merged or self._geo_layer is None:
             return
-        planted = "always_aligned" in self.faults  # planted bug: padded rows attend to their padding
+        idx = self.caches[self._geo_layer]._idx  # every full/latent layer shares the buffer index
+        aligned = all(r.base + self.num_steps == idx for r in self.rows)
+        aligned = aligned or "always_aligned" in self.faults  # planted bug: padded rows see their padding
         for k, c in zip(self.kinds, self.caches):
-            if k in ("full", "latent") and hasattr(c, "aligned"):
-                c.aligned = planted or all(r.base + self.num_steps == c._idx for r in self.rows)
+            if k in ("full", "latent"):
+                c.aligned = aligned
 
     def drop_all(self) -> None:
         self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False
