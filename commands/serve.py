@@ -25,6 +25,11 @@ def serve(
     max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Request body size limit (413 above it)."),
     log_level: str = typer.Option("info", "--log-level"),
     dtype: DtypeOpt = None,
+    prompt_cache: bool = typer.Option(True, "--prompt-cache/--no-prompt-cache", help="Reuse KV of shared prompt prefixes across requests (RAM trie + SSD tier)."),
+    prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="RAM tier cap, e.g. 4GB (default: --kv-budget, else a quarter of device memory). Entries give way to live rows."),
+    prompt_cache_size: Optional[int] = typer.Option(None, "--prompt-cache-size", min=1, help="Most RAM entries (default: no count cap, bytes decide)."),
+    prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="SSD tier folder (default: $MLXB_HOME/prompt-cache)."),
+    prompt_cache_disk_bytes: Optional[str] = typer.Option(None, "--prompt-cache-disk-bytes", help="SSD tier cap, e.g. 20GB (default 8GiB; 0 turns the SSD tier off)."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -33,11 +38,15 @@ def serve(
     from mlxb.engine.build import build_gateway
     from mlxb.server.app import create_app
 
-    budget = parse_bytes(kv_budget) if kv_budget else None
+    budget = parse_bytes(kv_budget, "--kv-budget") if kv_budget else None
+    pc_bytes = parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes") if prompt_cache_bytes else None
+    pc_disk = parse_bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes") if prompt_cache_disk_bytes else None
     with console.status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
                            max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template,
-                           warmup=warmup)
+                           warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes,
+                           prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
+                           prompt_cache_disk_bytes=pc_disk)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
@@ -45,6 +54,13 @@ def serve(
                   f"{' (synthetic, random weights)' if gw.spec.synthetic else ''}  device={mx.default_device()}  "
                   f"mode={gw.engine.mode} (batch {batch})"
                   + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else ""))
+    pc = gw.engine.prompt_cache
+    if pc is None:
+        console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))
+    else:
+        disk = f"SSD {pc.disk.root} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
+        console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "
+                      + "; ".join(f"{k} {v}" for k, v in pc.stats()["reuse"].items()))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level == "debug")
     server = uvicorn.Server(config)
@@ -61,7 +77,7 @@ def serve(
     console.print("[dim]mlxb serve stopped[/]")
 
 
-def parse_bytes(s: str) -> int:
+def parse_bytes(s: str, flag: str = "--kv-budget") -> int:
     from mlxb.errors import ValidationError
 
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -71,4 +87,4 @@ def parse_bytes(s: str) -> int:
     try:
         return int(float(num) * units[unit])
     except (ValueError, KeyError):
-        raise ValidationError(f"--kv-budget {s!r}: use a number with an optional unit, e.g. 2GB or 512MiB") from None
+        raise ValidationError(f"{flag} {s!r}: use a number with an optional unit, e.g. 2GB or 512MiB") from None

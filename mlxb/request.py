@@ -103,6 +103,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # benchmarks: generate max_tokens even past EOS
+    cache_prompt: bool = True  # False: neither reuse nor store this request's prefix (request field)
     on_output: Optional[Callable[[Any], None]] = None  # called on the engine thread; raising evicts the row
     status: RequestStatus = RequestStatus.WAITING
     mechanism: str = "continuous"  # "serial" | "continuous"

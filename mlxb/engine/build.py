@@ -10,13 +10,52 @@ from mlxb.engine.warmup import warm_up
 from mlxb.models import load_model
 
 
+def default_cache_bytes(kv_budget: Optional[int]) -> int:
+    """RAM tier cap when --prompt-cache-bytes is not given: the whole --kv-budget (entries give way
+    to live rows at admission), else a quarter of the device's memory."""
+    if kv_budget is not None:
+        return kv_budget
+    import mlx.core as mx
+
+    from mlxb.doctor import memory_bytes
+
+    total = memory_bytes()
+    try:
+        total = int(mx.device_info().get("memory_size", 0)) or total
+    except Exception:
+        pass
+    return max(total // 4, 64 << 20)
+
+
+def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: Optional[int] = None,
+                       max_entries: Optional[int] = None, disk_dir: Optional[str] = None,
+                       disk_bytes: Optional[int] = None):
+    from mlxb.cache.prompt_cache import PromptCache
+    from mlxb.models.synth import mlxb_home
+
+    if not engine.batchable:
+        return None
+    return PromptCache(engine.model, engine.kinds,
+                       max_bytes=default_cache_bytes(kv_budget) if max_bytes is None else max_bytes,
+                       max_entries=max_entries,
+                       disk_dir=disk_dir or (mlxb_home() / "prompt-cache"),
+                       disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes)
+
+
 def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, batch: int = 8,
                   prefill_chunk: int = 2048, kv_budget: Optional[int] = None, default_max_tokens: int = 512,
-                  chat_template: Optional[str] = None, warmup: bool = True, **engine_kw) -> Gateway:
+                  chat_template: Optional[str] = None, warmup: bool = True, prompt_cache: bool = True,
+                  prompt_cache_bytes: Optional[int] = None, prompt_cache_size: Optional[int] = None,
+                  prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: Optional[int] = None,
+                  **engine_kw) -> Gateway:
     m, tok, spec, path = load_model(model, dtype)
     engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
                     context_limit=context_limit(m), **engine_kw)
+    # NOTE: the warm-up runs before the prompt cache is attached, so its tiny prompts are never cached
+    pc = build_prompt_cache(engine, kv_budget=kv_budget, max_bytes=prompt_cache_bytes, max_entries=prompt_cache_size,
+                            disk_dir=prompt_cache_dir, disk_bytes=prompt_cache_disk_bytes) if prompt_cache else None
     engine.warmup = warm_up(engine) if warmup else None  # before traffic: first-use kernel compiles
+    engine.attach_prompt_cache(pc)
     engine.start()
     gw = Gateway(engine, tok, model_name=spec.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
     gw.spec, gw.path = spec, path

@@ -53,6 +53,8 @@ class Engine:
         join_full: str = "extend",
         capture: Optional[Callable] = None,
         faults: frozenset = frozenset(),
+        prompt_cache=None,
+        min_shared: int = 32,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
@@ -60,6 +62,9 @@ class Engine:
         self.kinds = layer_kinds(model)
         self.batchable = all(k is not None for k in self.kinds)
         self.projection = kv_projection(model, self.kinds) if self.batchable else None
+        self.prompt_cache = prompt_cache if self.batchable else None  # mlxb.cache.prompt_cache.PromptCache
+        self._hits: dict = {}  # request id -> PrefixMatch found at admission (held until the row seeds)
+        self._fresh: dict = {}  # prompt prefix -> entry snapshotted this iteration (followers read it)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(
             max_batch=max_batch,
@@ -69,7 +74,12 @@ class Engine:
             row_bytes=self.projection.row_bytes if self.projection else (lambda n: 0),
             max_joiners=max_joiners,
             prefill_burst=prefill_burst,
+            prefix_lookup=None,  # set by attach_prompt_cache
+            min_shared=min_shared,
+            cache_bytes=lambda: self.prompt_cache.nbytes if self.prompt_cache is not None else 0,
+            evict_cache=lambda n: self.prompt_cache.evict(n) if self.prompt_cache is not None else 0,
         )
+        self.attach_prompt_cache(prompt_cache)
         self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults,
                              special_tokens=sorted(self.eos_ids))
         self.device_lock = threading.Lock()
@@ -119,6 +129,8 @@ class Engine:
         self._inbox.put(("wake", None, None))
         self._thread.join(timeout)
         mx.synchronize()
+        if self.prompt_cache is not None:  # durable flush: RAM entries go to the SSD tier
+            self.prompt_cache.close()
 
     def kill_for_test(self) -> None:
         """Make the engine thread die as a crash would (used to test /health)."""
@@ -138,7 +150,18 @@ class Engine:
             "kv_budget_bytes": s.kv_budget,
             **self.counters,
             "step_timing": self.step_timing(),
+            "prompt_cache": self.prompt_cache_stats(),
         }
+
+    def attach_prompt_cache(self, prompt_cache) -> None:
+        """Use ``prompt_cache`` (or None: off) from the next admission on; call before ``start()``."""
+        self.prompt_cache = prompt_cache if self.batchable else None
+        self.scheduler.prefix_lookup = self._lookup if self.prompt_cache is not None else None
+
+    def prompt_cache_stats(self) -> dict:
+        if self.prompt_cache is None:
+            return {"enabled": False}
+        return {**self.prompt_cache.stats(), "shared_prefill_rows": self.scheduler.num_shared}
 
     def step_timing(self) -> dict:
         """Mean host time per decode step (ms) by phase, from the runner's summed timings."""
@@ -194,7 +217,11 @@ class Engine:
             if out.is_empty:
                 return None
             with self.device_lock:
-                self._iteration(out)
+                try:
+                    self._iteration(out)
+                finally:
+                    self._hits.clear()
+                    self._fresh.clear()
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made
@@ -299,6 +326,10 @@ class Engine:
                     done[em.row.req.request_id] = status
             if done:
                 keep = [i for i, row in enumerate(r.rows) if row.req.request_id not in done]
+                if self.prompt_cache is not None:
+                    gone = [i for i, row in enumerate(r.rows) if self._keeps(row.req, done.get(row.req.request_id))]
+                    for row, layers, fed in r.extract_rows(gone):
+                        self._put_finished(row.req.prompt_ids + row.tokens, layers, fed)
                 r.filter(keep)
                 for rid, status in done.items():
                     s.on_finished(rid, status)
@@ -308,8 +339,13 @@ class Engine:
         live = self._live[chunk.request_id]
         row = live.row
         try:
+            if not row.seeded:
+                if chunk.start > 0:
+                    row.solo = self._seed(row.req, chunk.start)
+                row.seeded = True
             self.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
             self.scheduler.on_prefill_chunk(chunk)
+            self._boundary_snapshot(row, chunk)
             if not chunk.is_last:
                 return
             em = self.runner.first_token(row)
@@ -323,7 +359,67 @@ class Engine:
             self.runner.join(row, em.token)
             self.scheduler.on_joined(chunk.request_id)
         else:  # finished at token 0: never joins
+            if self._keeps(row.req, status):
+                self._put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
             self.scheduler.on_finished(chunk.request_id, status)
+
+    # ---- prompt cache (engine thread; the scheduler sees token counts only) -------------------
+    def _lookup(self, req: Request) -> int:
+        """Scheduler callback at admission: cached prompt tokens usable by ``req`` (held until seeded)."""
+        m = self.prompt_cache.lookup(req.prompt_ids, req.num_prompt_tokens - 1)
+        if m is None:
+            return 0
+        self._hits[req.request_id] = m
+        return m.num_tokens
+
+    def _seed(self, req: Request, n: int) -> list:
+        """Single-row caches holding ``req``'s first ``n`` prompt tokens, lent from the prompt cache."""
+        from mlxb.cache.prefix import PrefixMatch
+
+        entry = self._fresh.get(tuple(req.prompt_ids[:n]))
+        if entry is None:
+            m = self._hits.get(req.request_id)
+            assert m is not None and m.num_tokens >= n, (req.request_id, n)
+            entry = m.entry
+        n_eff = n - 1 if "prefix_off_by_one" in self.runner.faults else n  # planted bug (parity control)
+        return self.prompt_cache.lend(PrefixMatch(entry, n_eff))
+
+    def _boundary_snapshot(self, row, chunk) -> None:
+        """Snapshot a solo prefill at its chunk end where a later row can reuse it: every boundary
+        for exact-only kinds, the prompt body (len - 1) and shared split points for all."""
+        pc = self.prompt_cache
+        if pc is None or not row.req.cache_prompt or chunk.end <= 0:
+            return
+        if pc.trimmable and not (chunk.is_last or chunk.shared):
+            return
+        key = tuple(row.req.prompt_ids[:chunk.end])
+        entry = pc.put(key, row.solo)
+        if chunk.shared:
+            self._fresh[key] = entry
+        self._respect_budget()
+
+    @staticmethod
+    def _keeps(req: Request, status) -> bool:
+        return req.cache_prompt and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+
+    def _put_finished(self, tokens: list, layers: list, fed: int) -> None:
+        """Store a finished row's caches under the tokens they hold (prompt + fed output)."""
+        pc = self.prompt_cache
+        if fed > len(tokens):  # a lookahead token we never read: trim it where the kinds allow
+            if not pc.trimmable:
+                return
+            for c in layers:
+                c.trim(fed - len(tokens))
+            fed = len(tokens)
+        pc.put(tokens[:fed], layers)
+        self._respect_budget()
+
+    def _respect_budget(self) -> None:
+        budget = self.scheduler.kv_budget
+        if budget is not None:
+            over = self.scheduler.used_bytes + self.prompt_cache.nbytes - budget
+            if over > 0:
+                self.prompt_cache.evict(over)
 
     def _prefill_cohort(self, chunks) -> None:
         lives = [self._live[c.request_id] for c in chunks]
@@ -363,13 +459,17 @@ class Engine:
         with self.device_lock:
             row = Row(req, RowSampler(req.sampling, self.runner.special_tokens))
             try:
+                cache, start, status = None, 0, None
+                if self.prompt_cache is not None and req.cache_prompt:
+                    cache, start = self._serial_prefill(req, row)
                 gen = generate_step(
-                    mx.array(req.prompt_ids, dtype=mx.uint32),
+                    mx.array(req.prompt_ids[start:], dtype=mx.uint32),
                     self.model,
                     max_tokens=req.max_tokens,
                     sampler=row.sampler.sample,
                     logits_processors=row.sampler.processors or None,
                     prefill_step_size=self.prefill_chunk,
+                    prompt_cache=cache,
                 )
                 for tok, logprobs in gen:
                     if row.steps == 0:
@@ -380,13 +480,41 @@ class Engine:
                         break
                     self.counters["steps"] += 1
                     em = self.runner._emit(row, int(tok), logprobs[None] if self._wants_vec(req) else None)
-                    ended = self.delivery.deliver(em) is not None
+                    status = self.delivery.deliver(em)
                     self.delivery.flush()
-                    if ended:
+                    if status is not None:
                         break
+                if cache is not None and self._keeps(req, status):  # holds prompt + every emitted token
+                    self._put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens))
             except Exception as e:
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
         self._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
+
+    def _serial_prefill(self, req: Request, row: Row) -> tuple[list, int]:
+        """The serial path's prefill with the prompt cache: start from the longest cached prefix,
+        prefill the body in chunks with the same snapshots as the batch lane, hold back the last
+        token for generate_step. A request with penalty processors does not reuse (mlx-lm's
+        generate_step would see only the uncached suffix as their context), but still stores."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        pc, ids = self.prompt_cache, req.prompt_ids
+        body = len(ids) - 1
+        cache, pos = make_prompt_cache(self.model), 0
+        if not row.sampler.processors:
+            m = pc.lookup(ids, body)
+            if m is not None:
+                cache, pos = pc.lend(m), m.num_tokens
+                req.cached_tokens = pos
+        while pos < body:
+            end = min(pos + self.prefill_chunk, body)
+            self.model(mx.array(ids[pos:end])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            mx.clear_cache()
+            pos = end
+            if not pc.trimmable or pos == body:
+                pc.put(ids[:pos], cache)
+                self._respect_budget()
+        return cache, body
 
     def _wants_vec(self, req: Request) -> bool:
         return self.runner.capture is not None or req.sampling.logprobs or req.sampling.top_logprobs > 0

@@ -36,6 +36,7 @@ class GenerationInput:
     chat_template_kwargs: Optional[dict[str, Any]] = None
     request_id: Optional[str] = None
     ignore_eos: bool = False  # vLLM's extension: decode exactly max_tokens (benchmarks)
+    cache_prompt: bool = True  # llama.cpp's field: False = this request neither reuses nor stores a prefix
 
 
 class Gateway:
@@ -140,7 +141,7 @@ class Gateway:
             raise ValidationError("stop must be a string or a list of at most 16 strings", param="stop")
         ids = self.tokenize(inp)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
-                      ignore_eos=inp.ignore_eos)
+                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)
         return req

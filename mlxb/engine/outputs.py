@@ -36,6 +36,7 @@ class PrefillChunk:
     start: int  # first prompt position fed in this chunk
     end: int  # one past the last position fed (never the last prompt token)
     is_last: bool  # after this chunk the runner feeds the held-back last token and samples token 0
+    shared: bool = False  # a follower starts from the snapshot at ``end``: prefill alone (no cohort)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class SchedulerOutput:
     @property
     def cohort(self) -> list[PrefillChunk]:
         """Whole prompts admitted this iteration (two or more): prefilled together as one batch."""
-        whole = [c for c in self.prefills if c.start == 0 and c.is_last]
+        whole = [c for c in self.prefills if c.start == 0 and c.is_last and not c.shared]
         return whole if len(whole) >= 2 else []
 
     @property

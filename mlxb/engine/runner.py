@@ -37,7 +37,7 @@ from mlxb.engine.sampler import RowSampler
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
-FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned")
+FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one")
 
 
 @dataclass
@@ -48,7 +48,9 @@ class Row:
     context: Optional[mx.array] = None  # token history for penalty processors
     steps: int = 0  # tokens sampled so far (token 0 included)
     plain: bool = False  # plain greedy (sampling params never change): one batched argmax serves it
-    base: int = 0  # tokens in this row's full-attention cache, minus the runner's step count at join
+    base: int = 0  # tokens in this row's caches, minus the runner's step count at join
+    tokens: list = field(default_factory=list)  # sampled token ids, in order
+    seeded: bool = False  # solo caches set up (from a cached prefix when prefill starts past 0)
 
 
 @dataclass
@@ -89,8 +91,9 @@ class Runner:
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def new_row(self, req: Request) -> Row:
-        row = Row(req, RowSampler(req.sampling, self.special_tokens), make_prompt_cache(self.model),
+    def new_row(self, req: Request, solo: Optional[list] = None) -> Row:
+        """A joiner; ``solo`` are caches already holding a cached prompt prefix (prompt cache)."""
+        row = Row(req, RowSampler(req.sampling, self.special_tokens), solo or make_prompt_cache(self.model),
                   plain=req.sampling.is_plain_greedy)
         if row.sampler.processors:
             row.context = mx.array(req.prompt_ids[:-1], dtype=mx.uint32)
@@ -130,6 +133,7 @@ class Runner:
     def _emit(self, row: Row, token: int, logprobs: Optional[mx.array], geo: Optional[tuple] = None) -> Emitted:
         step = row.steps
         row.steps += 1
+        row.tokens.append(token)
         info = None
         if logprobs is not None:
             need_vec = self.capture is not None or row.req.sampling.top_logprobs > 0
@@ -194,8 +198,7 @@ class Runner:
     def join(self, row: Row, token0: int) -> None:
         """Join one prefilled row: adopted as-is into an empty batch (its B=1 step is the serial
         graph), otherwise per layer kind as a one-row batch."""
-        if self._geo_layer is not None:
-            row.base = int(row.solo[self._geo_layer].offset) - self.num_steps
+        row.base = row.req.num_prompt_tokens - self.num_steps  # the solo caches hold the whole prompt
         solo, row.solo = row.solo, []
         if self.rows:
             solo = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, solo)]
@@ -280,6 +283,19 @@ class Runner:
         return out
 
     # ---- retire ----------------------------------------------------------------------------
+    def extract_rows(self, indices: list[int]) -> list[tuple[Row, list, int]]:
+        """Per batch row ``i`` in ``indices``: (row, single-row caches, tokens those caches hold),
+        taken before a filter drops the rows. A lone adopted row hands its own caches back."""
+        out = []
+        for i in indices:
+            row = self.rows[i]
+            if self.merged:
+                layers = [ROW_OPS[k].extract(c, i) for k, c in zip(self.kinds, self.caches)]
+            else:
+                layers = list(self.caches)
+            out.append((row, layers, row.base + self.num_steps))
+        return out
+
     def filter(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (batch indices, in order)."""
         if len(keep) == len(self.rows):

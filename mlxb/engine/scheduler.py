@@ -19,6 +19,17 @@ chunk: the largest forward mlx-lm's own default prompt batch runs, 8 prompts x 2
 an idle engine is prefilled as one cohort, as mlx-lm's prompt batch does, and its rows then decode
 and finish in step. One chunk is still at most ``prefill_chunk`` tokens.
 
+Prompt cache: at admission ``prefix_lookup(req)`` (the engine's prompt cache, mlx-free from here)
+gives how many leading prompt tokens are already cached; prefill starts there. A burst that shares a
+prefix computes it once: when a request admitted in this iteration shares at least ``min_shared``
+more tokens with a row whose chunk in this same iteration covers them, its prefill starts at the
+shared length (``cached_tokens``) and the leader's chunk is split there (``PrefillChunk.shared``:
+the runner snapshots it alone, out of any cohort, and the follower starts from that snapshot).
+
+One memory ceiling: ``kv_budget`` covers live rows' projected bytes plus the prompt cache's RAM
+bytes (``cache_bytes()``); admission evicts cache entries (``evict_cache(n)``) before it ever
+queues a row for memory.
+
 A request that can never fit (over the context limit, or over the budget alone) is rejected when
 it is added, never left to block the queue. Running rows are never evicted for memory.
 """
@@ -43,6 +54,10 @@ class Scheduler:
         row_bytes: Callable[[int], int] = lambda n: 0,
         max_joiners: Optional[int] = None,
         prefill_burst: Optional[int] = None,
+        prefix_lookup: Optional[Callable[[Request], int]] = None,
+        min_shared: int = 32,
+        cache_bytes: Callable[[], int] = lambda: 0,
+        evict_cache: Callable[[int], int] = lambda n: 0,
     ):
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
@@ -59,6 +74,11 @@ class Scheduler:
         self.hold_admission = False  # set while a serial request waits for the batch to drain
         self.num_submitted = 0
         self._projected: dict[str, int] = {}
+        self.prefix_lookup = prefix_lookup
+        self.min_shared = max(1, min_shared)
+        self.cache_bytes = cache_bytes
+        self.evict_cache = evict_cache
+        self.num_shared = 0  # followers that started from a leader's snapshot in the same iteration
 
     # ---- admission -------------------------------------------------------------------------
     def projected_bytes(self, req: Request) -> int:
@@ -93,14 +113,46 @@ class Scheduler:
     def used_bytes(self) -> int:
         return sum(self._projected.values())
 
-    def _can_admit(self, req: Request) -> bool:
+    def _can_admit(self, req: Request, evict: bool = False) -> bool:
         if self.hold_admission:
             return False
         if len(self.running) + len(self.prefilling) >= self.max_batch:
             return False
-        if self.kv_budget is not None and self.used_bytes + self.projected_bytes(req) > self.kv_budget:
-            return False
+        if self.kv_budget is not None:
+            need = self.used_bytes + self.projected_bytes(req)
+            if need > self.kv_budget:
+                return False
+            over = need + self.cache_bytes() - self.kv_budget
+            if over > 0 and evict:  # NOTE: cached prefixes give way to live rows, never the reverse
+                self.evict_cache(over)
         return True
+
+    def _cached_start(self, req: Request, out: SchedulerOutput) -> int:
+        """Prompt tokens ``req`` need not prefill: cached, or shared with a leader this iteration."""
+        if not req.cache_prompt or self.prefix_lookup is None:
+            return 0
+        cached = best = min(self.prefix_lookup(req), req.num_prompt_tokens - 1)
+        at = None
+        for i, c in enumerate(out.prefills):
+            lead = self._prefilling_req(c.request_id)
+            if not lead.cache_prompt:
+                continue
+            n = common_prefix(req.prompt_ids, lead.prompt_ids, min(req.num_prompt_tokens - 1, c.end))
+            if n > max(best, c.start) and n - cached >= self.min_shared:
+                best, at = n, i
+        if at is not None:
+            c = out.prefills[at]
+            parts = [PrefillChunk(c.request_id, c.start, best, False, shared=True)]
+            if best < c.end:
+                parts.append(PrefillChunk(c.request_id, best, c.end, c.is_last, shared=c.shared))
+            else:
+                parts = [PrefillChunk(c.request_id, c.start, c.end, c.is_last, shared=True)]
+            out.prefills[at:at + 1] = parts
+            self.num_shared += 1
+        return best
+
+    def _prefilling_req(self, request_id: str) -> Request:
+        return next(r for r in self.prefilling if r.request_id == request_id)
 
     # ---- one iteration ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -110,11 +162,13 @@ class Scheduler:
         while budget > 0 and i < self.max_joiners:
             if i < len(self.prefilling):
                 req = self.prefilling[i]
-            elif self.waiting and self._can_admit(self.waiting[0]):
+            elif self.waiting and self._can_admit(self.waiting[0], evict=True):
                 req = self.waiting.popleft()
+                start = self._cached_start(req, out)
+                req.cached_tokens = start
                 req.status = RequestStatus.PREFILLING
                 self.prefilling.append(req)
-                self.prefill_pos[req.request_id] = 0
+                self.prefill_pos[req.request_id] = start
                 self._projected[req.request_id] = self.projected_bytes(req)
                 out.admitted.append(req.request_id)
             else:
@@ -183,7 +237,16 @@ class Scheduler:
     def has_work(self) -> bool:
         if self.running or self.prefilling:
             return True
-        return bool(self.waiting) and self._can_admit(self.waiting[0])
+        return bool(self.waiting) and self._can_admit(self.waiting[0], evict=False)
 
     def row_index(self, request_id: str) -> int:
         return next(i for i, r in enumerate(self.running) if r.request_id == request_id)
+
+
+def common_prefix(a, b, limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(limit, len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

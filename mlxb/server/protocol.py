@@ -104,7 +104,8 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     inp = GenerationInput(messages=messages, prompt=prompt, prompt_ids=prompt_ids, max_tokens=max_tokens,
                           sampling=sp, stop=[stop] if isinstance(stop, str) else stop,
                           chat_template_kwargs=_get(body, "chat_template_kwargs", dict, None),
-                          ignore_eos=_get(body, "ignore_eos", bool, False))
+                          ignore_eos=_get(body, "ignore_eos", bool, False),
+                          cache_prompt=_get(body, "cache_prompt", bool, True))
     opts = {
         "stream": _get(body, "stream", bool, False),
         "include_usage": bool(stream_opts.get("include_usage", False)),

@@ -1,0 +1,235 @@
+"""The prefix cache index: a token trie of immutable KV snapshots with byte-accounted LRU eviction.
+
+Pure Python (no mlx): an entry's ``layers`` are opaque to this module; the caller measures their
+bytes. The same class indexes the RAM tier (layers are per-layer cache objects) and the SSD tier
+(layers is a file path).
+
+One trie per *namespace* (model fingerprint, dtype, KV scheme, adapter), so entries of different
+models, precisions or adapters never meet. Entries are immutable once inserted; a row borrows a
+prefix by copying (views) out of an entry, never by mutating it.
+
+Reuse rule, decided per namespace when it is created:
+
+* ``trimmable`` (every layer is full attention or latent): any entry whose key shares the first
+  ``n`` tokens with the query serves ``n`` tokens (the borrower trims). A new key that is a prefix
+  of a stored one is redundant and is not stored; stored keys that are prefixes of a new one are
+  dropped.
+* otherwise (a sliding-window ring or a recurrent state in some layer): an entry serves only its
+  whole key, and only when that key is a prefix of the query (snapshots are exact).
+
+Methods say what they mutate; ``check_integrity()`` verifies the byte count, the LRU order and
+that every trie leaf leads to an entry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    namespace: str
+    tokens: tuple
+    layers: Any  # per-layer caches (RAM) or a file path (SSD); never mutated after insert
+    nbytes: int
+    created: float = field(default_factory=time.monotonic)
+    hits: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+class PrefixMatch(NamedTuple):
+    entry: PrefixEntry
+    num_tokens: int  # tokens of the query this entry serves (<= entry.num_tokens)
+
+
+class _Node:
+    __slots__ = ("children", "entry", "parent", "token")
+
+    def __init__(self, parent: Optional["_Node"] = None, token: Optional[int] = None):
+        self.children: dict[int, _Node] = {}
+        self.entry: Optional[PrefixEntry] = None
+        self.parent = parent
+        self.token = token
+
+
+class PrefixCache:
+    """Token-prefix trie of snapshots, capped by ``max_bytes`` (and optionally ``max_entries``).
+
+    ``on_evict(entry)`` is called for every entry that leaves by eviction (the SSD tier spills it
+    there); entries removed as redundant or by ``remove`` are not reported.
+    """
+
+    def __init__(self, max_bytes: int, max_entries: Optional[int] = None,
+                 on_evict: Optional[Callable[[PrefixEntry], None]] = None):
+        assert max_bytes >= 0
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.on_evict = on_evict
+        self._roots: dict[str, _Node] = {}
+        self._trimmable: dict[str, bool] = {}
+        self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()  # id(entry) -> entry, oldest first
+        self._nodes: dict[int, _Node] = {}  # id(entry) -> its node
+        self.total_bytes = 0
+        self.num_evictions = 0
+
+    # ---- namespaces --------------------------------------------------------------------------
+    def add_namespace(self, namespace: str, trimmable: bool) -> None:
+        """Declare a namespace's reuse rule (idempotent; the rule must not change)."""
+        if namespace in self._trimmable:
+            assert self._trimmable[namespace] == trimmable, namespace
+            return
+        self._trimmable[namespace] = trimmable
+        self._roots[namespace] = _Node()
+
+    def is_trimmable(self, namespace: str) -> bool:
+        return self._trimmable[namespace]
+
+    # ---- reads -------------------------------------------------------------------------------
+    def match(self, namespace: str, tokens, limit: Optional[int] = None, touch: bool = True) -> Optional[PrefixMatch]:
+        """Longest usable prefix of ``tokens[:limit]``; marks the entry recently used when ``touch``."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return None
+        n = len(tokens) if limit is None else min(limit, len(tokens))
+        node, depth, best = root, 0, None
+        for i in range(n):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            node, depth = child, depth + 1
+            if child.entry is not None:
+                best = PrefixMatch(child.entry, depth)
+        if self._trimmable[namespace] and depth > 0 and (best is None or best.num_tokens < depth):
+            best = PrefixMatch(self._entry_below(node), depth)
+        if best is not None and touch:
+            best.entry.hits += 1
+            self._lru.move_to_end(id(best.entry))
+        return best
+
+    @staticmethod
+    def _entry_below(node: _Node) -> PrefixEntry:
+        # every node lies on the path of at least one stored key, so any child chain ends in one
+        while node.entry is None:
+            node = next(iter(node.children.values()))
+        return node.entry
+
+    def entries(self) -> list[PrefixEntry]:
+        """Every entry, least recently used first."""
+        return list(self._lru.values())
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._lru)
+
+    # ---- writes ------------------------------------------------------------------------------
+    def insert(self, namespace: str, tokens, layers: Any, nbytes: int) -> Optional[PrefixEntry]:
+        """Store a snapshot of ``tokens``. Mutates the trie; may evict LRU entries to make room.
+
+        Returns the stored entry, the existing entry that already covers ``tokens`` (trimmable
+        namespaces), or None when the snapshot alone exceeds ``max_bytes`` (it is then handed to
+        ``on_evict`` at once, so the SSD tier can still keep it)."""
+        tokens = tuple(tokens)
+        if not tokens:
+            return None
+        trimmable = self._trimmable[namespace]
+        node = self._roots[namespace]
+        on_path: list[PrefixEntry] = []
+        for t in tokens:
+            nxt = node.children.get(t)
+            if nxt is None:
+                nxt = node.children[t] = _Node(node, t)
+            node = nxt
+            if node.entry is not None:
+                on_path.append(node.entry)
+        if node.entry is not None or (trimmable and node.children):
+            old = node.entry or self._entry_below(node)  # already covered: keep the stored one
+            self._lru.move_to_end(id(old))
+            self._prune(node)
+            return old
+        entry = PrefixEntry(namespace, tokens, layers, int(nbytes))
+        if entry.nbytes > self.max_bytes:
+            self._prune(node)
+            if self.on_evict is not None:
+                self.num_evictions += 1
+                self.on_evict(entry)
+            return None
+        if trimmable:  # shorter keys on this path are now redundant
+            for e in on_path:
+                if e is not node.entry:
+                    self.remove(e)
+        node.entry = entry
+        self._nodes[id(entry)] = node
+        self._lru[id(entry)] = entry
+        self.total_bytes += entry.nbytes
+        self._shrink(self.max_bytes, keep=entry)
+        return entry
+
+    def remove(self, entry: PrefixEntry) -> bool:
+        """Drop ``entry`` from the index (not reported to ``on_evict``). Returns False if absent."""
+        node = self._nodes.pop(id(entry), None)
+        if node is None:
+            return False
+        del self._lru[id(entry)]
+        self.total_bytes -= entry.nbytes
+        node.entry = None
+        self._prune(node)
+        return True
+
+    def evict(self, num_bytes: int) -> int:
+        """Evict least recently used entries until at least ``num_bytes`` are freed (or none is
+        left). Mutates the trie; reports each to ``on_evict``. Returns the bytes freed."""
+        target = max(0, self.total_bytes - num_bytes)
+        before = self.total_bytes
+        self._shrink(target)
+        return before - self.total_bytes
+
+    def clear(self) -> int:
+        return self.evict(self.total_bytes)
+
+    def _shrink(self, max_bytes: int, keep: Optional[PrefixEntry] = None) -> None:
+        while self._lru and (self.total_bytes > max_bytes or
+                             (self.max_entries is not None and len(self._lru) > self.max_entries)):
+            victim = next(iter(self._lru.values()))
+            if victim is keep:
+                if len(self._lru) == 1:
+                    break
+                self._lru.move_to_end(id(keep))
+                continue
+            self.remove(victim)
+            self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
+
+    @staticmethod
+    def _prune(node: _Node) -> None:
+        while node.parent is not None and node.entry is None and not node.children:
+            parent = node.parent
+            del parent.children[node.token]
+            node = parent
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the byte count, the LRU index or the trie disagree."""
+        assert self.total_bytes == sum(e.nbytes for e in self._lru.values()), "byte count drifted"
+        assert self.total_bytes <= self.max_bytes or len(self._lru) <= 1, "over the byte cap"
+        seen = 0
+        for ns, root in self._roots.items():
+            stack = [(root, ())]
+            while stack:
+                node, path = stack.pop()
+                if node is not root:
+                    assert node.entry is not None or node.children, f"dangling trie node in {ns}"
+                if node.entry is not None:
+                    seen += 1
+                    assert node.entry.tokens == path and node.entry.namespace == ns
+                    assert self._nodes.get(id(node.entry)) is node
+                for t, child in node.children.items():
+                    assert child.parent is node and child.token == t
+                    stack.append((child, path + (t,)))
+        assert seen == len(self._lru) == len(self._nodes), "trie and LRU disagree"

@@ -1,0 +1,197 @@
+"""The prompt cache for one served model: a RAM trie of KV snapshots over an optional SSD tier.
+
+Lives on the engine thread (the single owner of cache mutations; the SSD writer only reads entries
+that are already evaluated). The scheduler never sees it: it asks the engine for a token count.
+
+* ``lookup(tokens, limit)`` the longest usable prefix in RAM, else on SSD (restored into RAM);
+  the returned entry is held by the caller, so a later eviction cannot take it away.
+* ``lend(match)`` per-layer single-row caches for a row starting from that prefix (no copy).
+* ``put(tokens, layers)`` snapshot a row's caches under ``tokens`` (compact copies).
+* ``evict(n)`` free RAM bytes for live rows (one memory ceiling); evicted entries spill to SSD.
+* ``close()`` persist every RAM entry to SSD and wait for the writer (graceful shutdown).
+
+The namespace is ``fingerprint|dtype|kv=<scheme>|adapter=<name>``: a different model, precision,
+KV scheme or adapter never shares an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+
+from mlxb.cache import snapshot as snap
+from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
+from mlxb.cache.ssd import DiskTier
+
+log = logging.getLogger("mlxb.prompt_cache")
+_CLASSES = {"full": KVCache, "latent": KVCache, "rotating": RotatingKVCache, "ssm": ArraysCache}
+
+
+def model_fingerprint(model) -> str:
+    """Content hash of a model: its config, every parameter's name/shape/dtype and a sample of values."""
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256()
+    args = getattr(model, "args", None)
+    h.update(repr(sorted(vars(args).items()) if args is not None else type(model).__name__).encode())
+    params = tree_flatten(model.parameters())
+    for i, (name, a) in enumerate(params):
+        h.update(f"{name}:{a.shape}:{a.dtype}".encode())
+        if i % max(1, len(params) // 16) == 0:
+            h.update(bytes(memoryview(a.reshape(-1)[:64].astype(mx.float32))))
+    return h.hexdigest()[:24]
+
+
+def model_dtype(model) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, a in tree_flatten(model.parameters()):
+        if mx.issubdtype(a.dtype, mx.floating):
+            return str(a.dtype).replace("mlx.core.", "")
+    return "unknown"
+
+
+class PromptCache:
+    def __init__(self, model, kinds: list[str], *, max_bytes: int, max_entries: Optional[int] = None,
+                 disk_dir: Optional[str | Path] = None, disk_bytes: int = 0, kv_scheme: str = "none",
+                 adapter: str = "none"):
+        self.kinds = list(kinds)
+        self.trimmable = all(k in ("full", "latent") for k in self.kinds)
+        self.fingerprint = model_fingerprint(model)
+        self.namespace = f"{self.fingerprint}|{model_dtype(model)}|kv={kv_scheme}|adapter={adapter}"
+        self.ram = PrefixCache(max_bytes, max_entries, on_evict=self._spill)
+        self.ram.add_namespace(self.namespace, self.trimmable)
+        self.disk: Optional[DiskTier] = None
+        if disk_dir is not None and disk_bytes > 0:
+            self.disk = DiskTier(disk_dir, disk_bytes, trimmable={self.namespace: self.trimmable},
+                                 save=lambda path, layers: save_prompt_cache(path, layers))
+        self._shapes = self._probe_shapes(model)
+        self.counters = {"lookups": 0, "hits": 0, "misses": 0, "cached_tokens": 0, "inserts": 0,
+                         "ram_hits": 0, "ssd_hits": 0}
+
+    def _probe_shapes(self, model) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        caches = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=caches)
+        mx.eval([c.state for c in caches])
+        return [self._layer_shape(c, k) for c, k in zip(caches, self.kinds)]
+
+    @staticmethod
+    def _layer_shape(c, kind: str):
+        if kind == "ssm":
+            return [None if a is None else tuple(a.shape[1:]) for a in c.cache]
+        return (c.keys.shape[1], c.keys.shape[3], c.values.shape[3], str(c.keys.dtype))
+
+    # ---- lookups -----------------------------------------------------------------------------
+    def lookup(self, tokens, limit: int) -> Optional[PrefixMatch]:
+        """Longest usable cached prefix of ``tokens[:limit]`` (RAM first, then SSD)."""
+        self.counters["lookups"] += 1
+        best = self.ram.match(self.namespace, tokens, limit)
+        far = self.disk.match(self.namespace, tokens, limit) if self.disk is not None else None
+        restored = None
+        if far is not None and (best is None or far.num_tokens > best.num_tokens):
+            restored = self._restore(far)  # counts ssd_hits; None if the file was bad
+        if restored is not None:
+            best = restored
+        elif best is not None:
+            self.counters["ram_hits"] += 1
+        if best is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+            self.counters["cached_tokens"] += best.num_tokens
+        return best
+
+    def _restore(self, far: PrefixMatch) -> Optional[PrefixMatch]:
+        """Load an SSD entry into RAM; a bad file is skipped (warned and dropped), never served."""
+        t0 = time.perf_counter()
+        entry = far.entry
+        try:
+            self.disk.read_header(entry)
+            layers = load_prompt_cache(entry.layers)
+            self._check_layers(layers, entry.num_tokens)
+            mx.eval([snap.arrays(c) for c in layers])
+        except Exception as e:
+            self.disk.forget(entry, str(e))
+            return None
+        finally:
+            self.disk.counters["load_s"] += time.perf_counter() - t0
+        self.disk.counters["restores"] += 1
+        self.counters["ssd_hits"] += 1
+        ram = self.ram.insert(self.namespace, entry.tokens, layers, sum(snap.layer_nbytes(c) for c in layers))
+        return PrefixMatch(ram or PrefixEntry(self.namespace, entry.tokens, layers, 0), far.num_tokens)
+
+    def _check_layers(self, layers: list, num_tokens: int) -> None:
+        if len(layers) != len(self.kinds):
+            raise ValueError(f"{len(layers)} layers, this model has {len(self.kinds)} (another model's file?)")
+        for i, (c, k, shape) in enumerate(zip(layers, self.kinds, self._shapes)):
+            if not isinstance(c, _CLASSES[k]):
+                raise ValueError(f"layer {i} is {type(c).__name__}, expected a {k} cache (another model's file?)")
+            if self._layer_shape(c, k) != shape:
+                raise ValueError(f"layer {i} has shapes {self._layer_shape(c, k)}, this model needs {shape}")
+            if k != "ssm" and c.offset != num_tokens:
+                raise ValueError(f"layer {i} holds {c.offset} tokens, the header says {num_tokens}")
+
+    def lend(self, match: PrefixMatch) -> list:
+        return [snap.lend(c, k, match.num_tokens if k in ("full", "latent") else None)
+                for c, k in zip(match.entry.layers, self.kinds)]
+
+    # ---- writes ------------------------------------------------------------------------------
+    def put(self, tokens, layers: list, *, copy: bool = True) -> Optional[PrefixEntry]:
+        """Snapshot single-row ``layers`` (holding exactly ``tokens``) into the RAM tier."""
+        if not tokens:
+            return None
+        found = self.ram.match(self.namespace, tokens, touch=False)
+        if found is not None and found.num_tokens == len(tokens) and (
+                self.trimmable or found.entry.num_tokens == len(tokens)):
+            self.ram.match(self.namespace, tokens)  # already covered: refresh its LRU slot
+            return found.entry
+        if copy:
+            layers = [snap.snapshot(c, k) for c, k in zip(layers, self.kinds)]
+        mx.eval([snap.arrays(c) for c in layers])
+        self.counters["inserts"] += 1
+        nbytes = sum(snap.layer_nbytes(c) for c in layers)
+        entry = self.ram.insert(self.namespace, tokens, layers, nbytes)
+        # over the RAM cap alone (already handed to the SSD tier): still usable by this iteration's rows
+        return entry if entry is not None else PrefixEntry(self.namespace, tuple(tokens), layers, nbytes)
+
+    def _spill(self, entry: PrefixEntry, block: bool = False) -> None:
+        if self.disk is not None:
+            self.disk.spill(entry, self.kinds, self.fingerprint, block=block)
+
+    def evict(self, num_bytes: int) -> int:
+        return self.ram.evict(num_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ram.total_bytes
+
+    def spill_all(self) -> None:
+        """Move every RAM entry to the SSD tier (written in the background) and empty RAM."""
+        self.ram.clear()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Graceful shutdown: write RAM entries not yet on disk, then wait for the writer."""
+        if self.disk is None:
+            return
+        for e in self.ram.entries():
+            self._spill(e, block=True)
+        self.disk.close(timeout)
+
+    def stats(self) -> dict:
+        out = {"enabled": True, "namespace": self.namespace, **self.counters,
+               "ram_bytes": self.ram.total_bytes, "ram_entries": self.ram.num_entries,
+               "ram_max_bytes": self.ram.max_bytes, "evictions": self.ram.num_evictions,
+               "reuse": {k: snap.REUSE[k] for k in sorted(set(self.kinds))}}
+        if self.disk is not None:
+            out.update({"ssd_dir": str(self.disk.root), "ssd_bytes": self.disk.total_bytes,
+                        "ssd_entries": self.disk.num_entries, "ssd_max_bytes": self.disk.index.max_bytes,
+                        **{f"ssd_{k}": v for k, v in self.disk.counters.items()}})
+        return out

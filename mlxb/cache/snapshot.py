@@ -1,0 +1,80 @@
+"""Per-layer snapshot, lend and measure operations for prompt-cache entries (single-row caches).
+
+* ``snapshot(cache, kind)`` an immutable, compact copy of a single-row cache as it is now. Full and
+  latent layers are copied down to their ``offset`` (``mx.contiguous``), so the entry holds exactly
+  its tokens; rotating rings and recurrent states are copied whole (at most a window, or a fixed
+  size), so an entry never keeps a batch buffer alive.
+* ``lend(cache, kind, n)`` a new single-row cache for a row that starts from the first ``n`` tokens
+  of a snapshot, without copying: full/latent layers are views trimmed to ``n`` (the row's first
+  write grows into a fresh buffer), rings and states are new objects over the same arrays
+  (``n`` must be the snapshot's whole length: they cannot be trimmed).
+* ``layer_nbytes(cache)`` bytes an entry layer holds.
+
+What reuses how (reported in ``/stats``): see ``REUSE``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+REUSE = {
+    "full": "any prefix length (trimmed)",
+    "latent": "any prefix length (trimmed)",
+    "rotating": "exact snapshot lengths only (chunk boundaries, len(prompt)-1, prompt+output)",
+    "ssm": "exact snapshot lengths only (chunk boundaries, len(prompt)-1, prompt+output)",
+}
+
+
+def _fresh(a):
+    return None if a is None else a[...]
+
+
+def snapshot(cache, kind: str):
+    if kind in ("full", "latent"):
+        out = KVCache()
+        if cache.keys is not None and cache.offset > 0:
+            n = cache.offset
+            out.keys = mx.contiguous(cache.keys[..., :n, :])
+            out.values = mx.contiguous(cache.values[..., :n, :])
+            out.offset = n
+        return out
+    return copy.deepcopy(cache)  # a ring (at most the window) or a fixed-size state: copied whole
+
+
+def lend(cache, kind: str, n):
+    """A new single-row cache holding the first ``n`` tokens (None: all) of ``cache``."""
+    if kind in ("full", "latent"):
+        out = KVCache()
+        n = cache.offset if n is None else n
+        assert 0 <= n <= cache.offset, (n, cache.offset)
+        if n > 0:
+            out.keys, out.values, out.offset = cache.keys[..., :n, :], cache.values[..., :n, :], n
+        return out
+    if kind == "rotating":
+        assert n is None or n == cache.offset, (n, cache.offset)
+        out = RotatingKVCache(cache.max_size, cache.keep)
+        out.keys, out.values = _fresh(cache.keys), _fresh(cache.values)
+        out.offset, out._idx = cache.offset, cache._idx
+        return out
+    assert kind == "ssm", kind
+    out = copy.copy(cache)
+    out.cache = [_fresh(a) for a in cache.cache]
+    return out
+
+
+def arrays(cache) -> list:
+    if isinstance(cache, (KVCache, RotatingKVCache)):
+        return [a for a in (cache.keys, cache.values) if a is not None]
+    return [a for a in getattr(cache, "cache", []) if a is not None]
+
+
+def layer_nbytes(cache) -> int:
+    return sum(a.nbytes for a in arrays(cache))
+
+
+def num_tokens(cache, kind: str) -> int:
+    """Tokens a single-row attention cache has seen (None for recurrent state)."""
+    return int(cache.offset) if kind != "ssm" else None

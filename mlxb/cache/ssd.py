@@ -1,0 +1,199 @@
+"""SSD tier of the prompt cache: entries evicted from RAM, written in the background, kept across
+restarts.
+
+Layout under the cache directory (one folder per namespace, named by its hash)::
+
+    <dir>/<sha256(namespace)[:16]>/<sha256(tokens)[:32]>.safetensors   mlx-lm's save_prompt_cache format
+    <dir>/<sha256(namespace)[:16]>/<sha256(tokens)[:32]>.json          header: namespace, fingerprint,
+                                                                       tokens, kinds, bytes, sha256
+
+The header is written last (both files via a temporary name and ``os.replace``), so a header on
+disk means a complete payload was there. Loading checks the header (version, namespace, token hash,
+layer kinds), the payload's size and sha256, and the layer classes: a corrupt, truncated or
+foreign file is skipped with a warning, removed from the index and never served.
+
+Writes run on one background thread fed by a bounded queue; a spill that finds the queue full is
+dropped (counted), so the engine thread never waits on the disk. ``flush()`` drains the queue
+(graceful shutdown). The disk index is a ``PrefixCache`` whose entries are file paths, capped by
+``max_bytes`` (LRU; evicted files are deleted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
+
+log = logging.getLogger("mlxb.prompt_cache")
+VERSION = 1
+
+
+def tokens_hash(tokens) -> str:
+    return hashlib.sha256(json.dumps(list(tokens)).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class DiskTier:
+    def __init__(self, root: str | Path, max_bytes: int, *, trimmable: dict[str, bool],
+                 save: Callable[[str, list], None], max_queue: int = 64):
+        """``trimmable``: namespace -> reuse rule (only these namespaces are indexed);
+        ``save(path, layers)`` writes one payload (runs on the writer thread)."""
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.index = PrefixCache(max_bytes, on_evict=self._delete)
+        for ns, trim in trimmable.items():
+            self.index.add_namespace(ns, trim)
+        self._save = save
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()  # guards the index between the writer and the engine thread
+        self.counters = {"spills": 0, "spill_dropped": 0, "writes": 0, "write_errors": 0, "restores": 0,
+                         "corrupt_skipped": 0, "load_s": 0.0}
+        self.scan()
+        self._writer = threading.Thread(target=self._write_loop, name="mlxb-ssd-writer", daemon=True)
+        self._writer.start()
+
+    # ---- index -----------------------------------------------------------------------------
+    def _dir(self, namespace: str) -> Path:
+        return self.root / hashlib.sha256(namespace.encode()).hexdigest()[:16]
+
+    def _paths(self, namespace: str, tokens) -> tuple[Path, Path]:
+        stem = self._dir(namespace) / tokens_hash(tokens)[:32]
+        return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+
+    def scan(self) -> int:
+        """Index every header under the root whose namespace is known; returns how many."""
+        found = 0
+        for header in sorted(self.root.glob("*/*.json"), key=lambda p: p.stat().st_mtime):
+            try:
+                h = json.loads(header.read_text())
+                ns, tokens = h["namespace"], h["tokens"]
+                if h.get("version") != VERSION or ns not in self.index._trimmable:
+                    continue
+                if tokens_hash(tokens) != h["tokens_sha256"]:
+                    raise ValueError("token hash mismatch")
+                payload = header.with_suffix(".safetensors")
+                with self._lock:
+                    self.index.insert(ns, tokens, str(payload), int(h["nbytes"]))
+                found += 1
+            except Exception as e:  # unreadable header: skip it, never fail start-up
+                self.counters["corrupt_skipped"] += 1
+                log.warning("prompt cache: skipping unreadable SSD header %s (%s)", header, e)
+        return found
+
+    def match(self, namespace: str, tokens, limit: int) -> Optional[PrefixMatch]:
+        with self._lock:
+            return self.index.match(namespace, tokens, limit)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.index.total_bytes
+
+    @property
+    def num_entries(self) -> int:
+        return self.index.num_entries
+
+    def _delete(self, entry: PrefixEntry) -> None:
+        for p in (Path(entry.layers).with_suffix(".json"), Path(entry.layers)):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+    def forget(self, entry: PrefixEntry, reason: str) -> None:
+        """Drop a bad file from the index and the disk (it was corrupt or foreign)."""
+        self.counters["corrupt_skipped"] += 1
+        log.warning("prompt cache: skipping SSD entry %s: %s", entry.layers, reason)
+        with self._lock:
+            self.index.remove(entry)
+        self._delete(entry)
+
+    # ---- writes ----------------------------------------------------------------------------
+    def spill(self, entry: PrefixEntry, kinds: list, fingerprint: str, block: bool = False) -> bool:
+        """Queue ``entry`` (RAM layers, already evaluated) for writing; never blocks unless ``block``
+        (shutdown)."""
+        with self._lock:
+            found = self.index.match(entry.namespace, entry.tokens, touch=False)
+            if found is not None and found.entry.num_tokens == entry.num_tokens:
+                return True  # already on disk
+        try:
+            self._queue.put((entry, list(kinds), fingerprint), block=block, timeout=60 if block else None)
+        except queue.Full:
+            self.counters["spill_dropped"] += 1
+            return False
+        self.counters["spills"] += 1
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception as e:
+                self.counters["write_errors"] += 1
+                log.warning("prompt cache: SSD write failed: %s", e)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, entry: PrefixEntry, kinds: list, fingerprint: str) -> None:
+        payload, header = self._paths(entry.namespace, entry.tokens)
+        payload.parent.mkdir(parents=True, exist_ok=True)
+        tmp = payload.with_name(payload.stem + ".tmp.safetensors")
+        self._save(str(tmp), entry.layers)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, payload)
+        size = payload.stat().st_size
+        h = {"version": VERSION, "namespace": entry.namespace, "fingerprint": fingerprint,
+             "tokens": list(entry.tokens), "tokens_sha256": tokens_hash(entry.tokens), "num_tokens": entry.num_tokens,
+             "kinds": kinds, "nbytes": size, "sha256": file_sha256(payload), "created": time.time()}
+        htmp = header.with_name(header.stem + ".tmp.json")
+        htmp.write_text(json.dumps(h))
+        os.replace(htmp, header)
+        with self._lock:
+            self.index.insert(entry.namespace, entry.tokens, str(payload), size)
+        self.counters["writes"] += 1
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued write is on disk; False on timeout."""
+        end = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._queue.put(None)
+        self._writer.join(timeout)
+
+    # ---- reads -----------------------------------------------------------------------------
+    def read_header(self, entry: PrefixEntry) -> dict:
+        h = json.loads(Path(entry.layers).with_suffix(".json").read_text())
+        if h.get("version") != VERSION or h.get("namespace") != entry.namespace:
+            raise ValueError("header belongs to another namespace")
+        if h.get("tokens_sha256") != tokens_hash(entry.tokens):
+            raise ValueError("token ids differ from the index")
+        payload = Path(entry.layers)
+        if payload.stat().st_size != h["nbytes"]:
+            raise ValueError(f"payload is {payload.stat().st_size} bytes, header says {h['nbytes']} (truncated?)")
+        if file_sha256(payload) != h["sha256"]:
+            raise ValueError("payload checksum mismatch (corrupt)")
+        return h
