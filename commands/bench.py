@@ -80,7 +80,7 @@ def load(
     dtype: DtypeOpt = None,
     stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
     peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder (mlx-lm) and run the identical load, A/B alternated."),
-    dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | FILE.jsonl"),
+    dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | FILE.jsonl"),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
     requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
     rate: Optional[float] = typer.Option(None, "--rate", help="Open loop: requests per second (Poisson/gamma arrivals)."),
@@ -132,14 +132,17 @@ def load(
         console.print(f"wrote {out}")
         return
     if dataset.endswith(".jsonl"):
-        raise ValidationError("closed loop with a JSONL file: use --rate for files, or --dataset random|shared-prefix")
+        raise ValidationError("closed loop with a JSONL file: use --rate for files, or --dataset random|shared-prefix|multi-turn")
     if dataset == "random":
         cell = Cell("load-random", "random", {"input_len": input_len}, concurrency=levels, output_len=output_len)
     elif dataset == "shared-prefix":
         cell = Cell("load-shared-prefix", "shared-prefix", {"system_len": system_len, "question_len": 64, "groups": groups},
                     concurrency=levels, output_len=output_len)
+    elif dataset == "multi-turn":
+        cell = Cell("load-multi-turn", "multi-turn", {"system_len": system_len, "turn_len": 64, "turns": 4},
+                    concurrency=levels, output_len=output_len)
     else:
-        raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix or a .jsonl file")
+        raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix, multi-turn or a .jsonl file")
     cell.requests = requests
     rows = _run_stacks(Matrix("cli", [cell], repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
                        dtype, "load")

@@ -13,10 +13,15 @@ whole vocabulary (the logits normalized exactly as the engine normalizes them), 
 
 from __future__ import annotations
 
+import copy
+import os
+import tempfile
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, load_prompt_cache,
+                                  make_prompt_cache, save_prompt_cache, trim_prompt_cache)
 
 from mlxb.parity.protocol import Case, plan, step_record
 
@@ -60,13 +65,13 @@ def _join_batch(batch: list, cohort: list, full_op: str) -> list:
     return out
 
 
-def _cohort_prefill(model, case: Case, rows: list[int]):
+def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict):
     """mlx-lm's own PromptProcessingBatch over the prompt bodies, then one [n, 1] step."""
     ppb = PromptProcessingBatch(model, list(rows), [make_prompt_cache(model) for _ in rows],
                                 prefill_step_size=case.prefill_chunk)
-    ppb.prompt([case.rows[r].prompt[:-1] for r in rows])
+    ppb.prompt([prompts[r][:-1] for r in rows])
     caches = ppb.prompt_cache
-    last = mx.array([case.rows[r].prompt[-1] for r in rows], dtype=mx.uint32)
+    last = mx.array([prompts[r][-1] for r in rows], dtype=mx.uint32)
     logits = model(last[:, None], cache=caches)[:, -1, :]
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     toks = mx.argmax(lp, axis=-1)
@@ -74,9 +79,36 @@ def _cohort_prefill(model, case: Case, rows: list[int]):
     return caches, toks.tolist(), lp
 
 
+def _through_disk(store: dict) -> None:
+    """The SSD tier, mlx-lm's way: every snapshot saved and loaded back."""
+    with tempfile.TemporaryDirectory() as d:
+        for i, key in enumerate(list(store)):
+            path = os.path.join(d, f"{i}.safetensors")
+            save_prompt_cache(path, store[key])
+            store[key] = load_prompt_cache(path)
+            mx.eval([c.state for c in store[key]])
+
+
+def _seed(store: dict, src: list, model) -> list:
+    """A deep copy of snapshot (row, length) trimmed to ``n`` tokens (mlx-lm's trim_prompt_cache)."""
+    row, length, n = src
+    caches = copy.deepcopy(store[(row, length)])
+    if n < length:
+        assert trim_prompt_cache(caches, length - n) == length - n, "plan trims an untrimmable snapshot"
+    return caches
+
+
 def run_case(model, case: Case) -> dict:
     """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
     rows = case.rows
+    prompts: dict[int, list] = {}  # resolved when a row first prefills (linked rows need outputs)
+    store: dict[tuple, list] = {}  # prompt cache snapshots by (row, length)
+
+    def prompt(r: int) -> list:
+        if r not in prompts:
+            prompts[r] = case.resolve(r, {b: [x["t"] for x in recs] for b, recs in records.items()})
+        return prompts[r]
+
     solo: dict[int, list] = {}
     caches, merged, batch = None, False, []
     last_tok: dict[int, int] = {}
@@ -84,9 +116,11 @@ def run_case(model, case: Case) -> dict:
     n_fwd = 0
     gl = _geo_layer(make_prompt_cache(model))
     for it in plan(case):
+        if it.spill:
+            _through_disk(store)
         cohort_caches = None
         if it.cohort:
-            cohort_caches, toks, lp = _cohort_prefill(model, case, it.cohort)
+            cohort_caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort})
             geo = [None] * len(it.cohort) if gl is None else _geometry(cohort_caches[gl])
             for i, r in enumerate(it.cohort):
                 records[r].append(record(toks[i], lp[i : i + 1], geo[i]))
@@ -100,17 +134,21 @@ def run_case(model, case: Case) -> dict:
             if r in it.cohort:
                 continue
             if r not in solo:
-                solo[r] = make_prompt_cache(model)
+                solo[r] = _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model)
             if ch.end > ch.start:
-                model(mx.array(rows[r].prompt[ch.start : ch.end])[None], cache=solo[r])
+                model(mx.array(prompt(r)[ch.start : ch.end])[None], cache=solo[r])
                 mx.eval([c.state for c in solo[r]])
+            if [r, ch.end] in it.snaps:
+                store[(r, ch.end)] = copy.deepcopy(solo[r])
             if ch.is_last:
-                logits = model(mx.array(rows[r].prompt[-1:], dtype=mx.uint32)[None], cache=solo[r])[:, -1, :]
+                logits = model(mx.array(prompt(r)[-1:], dtype=mx.uint32)[None], cache=solo[r])[:, -1, :]
                 lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 tok = int(mx.argmax(lp, axis=-1).item())
                 g = _geo_layer(solo[r])
                 records[r].append(record(tok, lp, None if g is None else _geometry(solo[r][g])[0]))
                 last_tok[r] = tok
+                if [r, len(prompt(r))] in it.snaps:  # finished at token 0: the whole prompt is cached
+                    store[(r, len(prompt(r)))] = copy.deepcopy(solo[r])
         cohort_joined = False
         for r in it.joins:
             if r in it.cohort:
@@ -150,6 +188,10 @@ def run_case(model, case: Case) -> dict:
                     assert it.emits[r] == len(records[r])
                     records[r].append(record(values[i], lp[i : i + 1], geo[i]))
                     last_tok[r] = values[i]
+            for i, r in enumerate(batch):  # retiring rows go back to the prompt cache: prompt + output
+                m = rows[r].max_tokens
+                if r in it.retire and [r, len(prompt(r)) + m] in it.snaps:
+                    store[(r, len(prompt(r)) + m)] = [c.extract(i) for c in caches] if merged else caches
             if it.retire:
                 keep = [i for i, r in enumerate(batch) if r not in it.retire]
                 batch = [batch[i] for i in keep]

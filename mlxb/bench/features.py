@@ -37,6 +37,10 @@ def dataset_for(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: i
         groups = ln.get("groups", 1)
         return L.shared_prefix_dataset(tokenizer, groups, max(1, -(-n // groups)), ln["system_len"],
                                        ln["question_len"], cell.output_len, vocab, seed, extra)
+    if cell.dataset == "multi-turn":
+        turns = int(ln.get("turns", 4))
+        return L.multi_turn_dataset(tokenizer, max(1, -(-n // turns)), turns, ln["system_len"], ln["turn_len"],
+                                    cell.output_len, vocab, seed, extra)
     return L.mixed_dataset(tokenizer, n, ln["short_len"], ln["long_len"], cell.output_len, vocab, seed, extra)
 
 

@@ -39,6 +39,7 @@ class RequestResult:
     end: Optional[float] = None
     logprob_tokens: int = 0  # content tokens that came with logprobs
     min_top_logprobs: Optional[int] = None  # fewest top_logprobs alternatives on any of them
+    text: str = ""  # the reply (multi-turn conversations send it back); not stored in results
 
     @property
     def tpot(self) -> Optional[float]:
@@ -48,6 +49,7 @@ class RequestResult:
 
     def to_row(self) -> dict:
         d = asdict(self)
+        del d["text"]
         d["tpot"] = self.tpot
         d["itl_mean"] = float(np.mean(self.itls)) if self.itls else None
         d["itls"] = [float(x) for x in self.itls]
@@ -131,6 +133,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict
                         res.min_top_logprobs = k if res.min_top_logprobs is None else min(res.min_top_logprobs, k)
                     piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
                     if piece:
+                        res.text += piece
                         now = clock()
                         if res.ttft is None:
                             res.ttft = now - res.start
@@ -211,12 +214,17 @@ async def open_loop(send: Callable[[int], Awaitable[RequestResult]], rate: float
 # ---- datasets --------------------------------------------------------------------------------
 @dataclass
 class Dataset:
-    """Request payloads (without model/stream fields) built deterministically."""
+    """Request payloads (without model/stream fields) built deterministically. A multi-turn dataset
+    holds ``conversations`` instead: each turn is sent after the previous reply arrived, with that
+    reply and the next user message appended (the history grows as an agent's does)."""
 
     name: str
     payloads: list[dict]
+    conversations: Optional[list[dict]] = None  # {"messages": [...], "users": [next turns], "extra": {...}}
 
     def __len__(self) -> int:
+        if self.conversations is not None:
+            return sum(1 + len(c["users"]) for c in self.conversations)
         return len(self.payloads)
 
 
@@ -255,6 +263,48 @@ def mixed_dataset(tokenizer, n: int, short_len: int, long_len: int, output_len: 
     return Dataset("mixed", [
         {"messages": [{"role": "user", "content": _random_text(tokenizer, rng, long_len if i % 2 else short_len, vocab)}],
          "max_tokens": output_len, **(extra or {})} for i in range(n)])
+
+
+def multi_turn_dataset(tokenizer, conversations: int, turns: int, system_len: int, turn_len: int,
+                       output_len: int, vocab: int, seed: int = 0, extra: Optional[dict] = None) -> Dataset:
+    """Conversations that grow: a shared system prompt, then per turn the previous reply plus a new
+    user message (``turns`` requests per conversation, each sent after the last reply arrived)."""
+    rng = random.Random(seed)
+    system = _random_text(tokenizer, rng, system_len, vocab)
+    convs = []
+    for _ in range(conversations):
+        users = [_random_text(tokenizer, rng, turn_len, vocab) for _ in range(turns)]
+        convs.append({"messages": [{"role": "system", "content": system}, {"role": "user", "content": users[0]}],
+                      "users": users[1:], "max_tokens": output_len, "extra": dict(extra or {})})
+    return Dataset("multi-turn", [], convs)
+
+
+async def _conversations(send_payload: Callable[[dict, int], Awaitable["RequestResult"]], dataset: Dataset,
+                         concurrency: int, n_requests: int,
+                         on_done: Optional[Callable[["RequestResult"], None]]) -> list["RequestResult"]:
+    """``concurrency`` conversations in flight; each sends its turns in order."""
+    queue = list(dataset.conversations)
+    out: list[RequestResult] = []
+    counter = iter(range(10**9))
+
+    async def worker():
+        while queue and len(out) < n_requests:
+            conv = queue.pop(0)
+            msgs = [dict(m) for m in conv["messages"]]
+            for nxt in [*conv["users"], None]:
+                if len(out) >= n_requests:
+                    return
+                res = await send_payload({"messages": msgs, "max_tokens": conv["max_tokens"], **conv["extra"]},
+                                         next(counter))
+                out.append(res)
+                if on_done:
+                    on_done(res)
+                if not res.ok or nxt is None:
+                    break
+                msgs = msgs + [{"role": "assistant", "content": res.text}, {"role": "user", "content": nxt}]
+
+    await asyncio.gather(*[worker() for _ in range(concurrency)])
+    return sorted(out, key=lambda r: r.index)
 
 
 def jsonl_dataset(path: str, n: Optional[int] = None, default_max_tokens: int = 128) -> Dataset:
@@ -296,6 +346,15 @@ async def run_load(base_url: str, model: str, dataset: Dataset, *, concurrency: 
 
         async def send(i: int) -> RequestResult:
             return await stream_request(client, base_url, payload(i), i, api_key)
+
+        if dataset.conversations is not None:
+            def conv_payload(p: dict, i: int):
+                p = dict(p, model=model)
+                if ignore_eos:
+                    p["ignore_eos"] = True
+                return stream_request(client, base_url, p, i, api_key)
+
+            return await _conversations(conv_payload, dataset, concurrency or 1, n_requests or len(dataset), on_done)
 
         if rate is not None:
             return await open_loop(send, rate, burstiness, duration or 10.0, seed, on_done)

@@ -11,10 +11,11 @@ from typing import Optional
 from mlxb.errors import ValidationError
 
 DATASETS = {"random": {"input_len"}, "shared-prefix": {"system_len", "question_len"},
-            "mixed": {"short_len", "long_len"}}
+            "mixed": {"short_len", "long_len"}, "multi-turn": {"system_len", "turn_len"}}
 GATES = {"top_logprobs_5"}
 CELL_KEYS = {"name", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
-             "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups"}
+             "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups",
+             "turn_len", "turns"}
 DEFAULT_KEYS = {"concurrency", "requests_per_slot", "output_len", "repeats"}
 
 
@@ -76,8 +77,8 @@ def parse(path: Path | str, text: Optional[str] = None) -> Matrix:
         ds = raw.get("dataset", "random")
         if ds not in DATASETS:
             raise ValidationError(f"{where}: dataset {ds!r} is not one of {', '.join(DATASETS)}")
-        lengths = {k: raw[k] for k in ("input_len", "system_len", "question_len", "short_len", "long_len", "groups")
-                   if k in raw}
+        lengths = {k: raw[k] for k in ("input_len", "system_len", "question_len", "short_len", "long_len", "groups",
+                                       "turn_len", "turns") if k in raw}
         missing = DATASETS[ds] - set(lengths)
         if missing:
             raise ValidationError(f"{where}: dataset {ds!r} needs {', '.join(sorted(missing))}")

@@ -113,8 +113,15 @@ class PromptCache:
         """Load an SSD entry into RAM; a bad file is skipped (warned and dropped), never served."""
         t0 = time.perf_counter()
         entry = far.entry
+        if not isinstance(entry.layers, (str, Path)):  # still queued for writing: its RAM layers
+            ram = self.ram.insert(self.namespace, entry.tokens, entry.layers,
+                                  sum(snap.layer_nbytes(c) for c in entry.layers))
+            self.counters["ssd_hits"] += 1
+            return PrefixMatch(ram or entry, far.num_tokens)
         try:
-            self.disk.read_header(entry)
+            h = self.disk.read_header(entry)
+            if h.get("fingerprint") != self.fingerprint or h.get("kinds") != self.kinds:
+                raise ValueError("written for another model (fingerprint or layer kinds differ)")
             layers = load_prompt_cache(entry.layers)
             self._check_layers(layers, entry.num_tokens)
             mx.eval([snap.arrays(c) for c in layers])

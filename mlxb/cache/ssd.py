@@ -56,8 +56,11 @@ class DiskTier:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.index = PrefixCache(max_bytes, on_evict=self._delete)
+        # queued, not yet written: still served (from their RAM layers) so a spill never loses a hit
+        self._pending = PrefixCache(1 << 62)
         for ns, trim in trimmable.items():
             self.index.add_namespace(ns, trim)
+            self._pending.add_namespace(ns, trim)
         self._save = save
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # guards the index between the writer and the engine thread
@@ -96,8 +99,14 @@ class DiskTier:
         return found
 
     def match(self, namespace: str, tokens, limit: int) -> Optional[PrefixMatch]:
+        """Longest usable prefix on disk or in the write queue (a queued entry's ``layers`` are
+        still the RAM caches, a written one's a file path)."""
         with self._lock:
-            return self.index.match(namespace, tokens, limit)
+            on_disk = self.index.match(namespace, tokens, limit)
+            queued = self._pending.match(namespace, tokens, limit)
+        if queued is not None and (on_disk is None or queued.num_tokens > on_disk.num_tokens):
+            return queued
+        return on_disk
 
     @property
     def total_bytes(self) -> int:
@@ -130,10 +139,15 @@ class DiskTier:
             found = self.index.match(entry.namespace, entry.tokens, touch=False)
             if found is not None and found.entry.num_tokens == entry.num_tokens:
                 return True  # already on disk
+        with self._lock:
+            queued = self._pending.insert(entry.namespace, entry.tokens, entry.layers, 0)
         try:
             self._queue.put((entry, list(kinds), fingerprint), block=block, timeout=60 if block else None)
         except queue.Full:
             self.counters["spill_dropped"] += 1
+            with self._lock:
+                if queued is not None and queued.layers is entry.layers:
+                    self._pending.remove(queued)
             return False
         self.counters["spills"] += 1
         return True
@@ -149,6 +163,8 @@ class DiskTier:
                 self.counters["write_errors"] += 1
                 log.warning("prompt cache: SSD write failed: %s", e)
             finally:
+                if item is not None:
+                    self._unqueue(item[0])
                 self._queue.task_done()
 
     def _write(self, entry: PrefixEntry, kinds: list, fingerprint: str) -> None:
@@ -169,6 +185,12 @@ class DiskTier:
         with self._lock:
             self.index.insert(entry.namespace, entry.tokens, str(payload), size)
         self.counters["writes"] += 1
+
+    def _unqueue(self, entry: PrefixEntry) -> None:
+        with self._lock:
+            found = self._pending.match(entry.namespace, entry.tokens, touch=False)
+            if found is not None and found.entry.tokens == entry.tokens:
+                self._pending.remove(found.entry)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is on disk; False on timeout."""

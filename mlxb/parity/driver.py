@@ -8,11 +8,13 @@ the driver records what it did so the parity run can check it against the case's
 
 from __future__ import annotations
 
+import tempfile
+
 import mlx.core as mx
 
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
-from mlxb.parity.protocol import Case, plan, step_record
+from mlxb.parity.protocol import MIN_SHARED, Case, plan, step_record
 from mlxb.request import Request, SamplingParams
 
 
@@ -25,15 +27,28 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
         records[r].append(step_record(token, vec, geo))
 
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,
-                 join_full=case.join_full, capture=capture, faults=faults)
+                 join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED)
+    disk = tempfile.TemporaryDirectory() if case.prefix else None
+    if case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
+        from mlxb.cache.prompt_cache import PromptCache
+
+        eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 40, disk_dir=disk.name,
+                                            disk_bytes=1 << 40))
+        assert eng.prompt_cache.trimmable == case.prefix["trimmable"], "the case's reuse rule is not the model's"
     expected = plan(case)
-    timeline, streams = [], []
+    timeline, streams, reqs = [], [], {}
     limit = len(expected) + 8
     try:
         for k in range(limit):
+            arriving = [i for i, spec in enumerate(case.rows) if spec.arrive == k]
+            if any((case.link(i) or {}).get("ssd") for i in arriving):
+                eng.prompt_cache.spill_all()  # every snapshot leaves RAM for the SSD tier
+                assert eng.prompt_cache.disk.flush(), "SSD writer did not finish"
             for i, spec in enumerate(case.rows):
                 if spec.arrive == k:
-                    req = Request(f"r{i}", list(spec.prompt), spec.max_tokens, SamplingParams(), ignore_eos=True)
+                    prompt = case.resolve(i, {r: [x["t"] for x in v] for r, v in records.items()})
+                    req = Request(f"r{i}", prompt, spec.max_tokens, SamplingParams(), ignore_eos=True)
+                    reqs[i] = req
                     req.mechanism = "continuous"
                     st = OutputStream(req.request_id)
                     eng.accept(req, st)
@@ -41,14 +56,23 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
             eng.last_forward = []
             out = eng.iterate()
             chunks = [[int(c.request_id[1:]), c.start, c.end, c.is_last] for c in out.prefills] if out else []
-            timeline.append({"prefills": chunks, "forward": [int(r[1:]) for r in eng.last_forward]})
+            entry = {"prefills": chunks, "forward": [int(r[1:]) for r in eng.last_forward]}
+            if case.prefix:
+                entry["cached"] = {int(rid[1:]): reqs[int(rid[1:])].cached_tokens for rid in (out.admitted if out else [])}
+            timeline.append(entry)
             if len(streams) == len(case.rows) and not eng._live:
                 break
     finally:
         eng.runner.drop_all()
         mx.synchronize()
+        if disk is not None:
+            eng.prompt_cache.close()
+            disk.cleanup()
     want = [{"prefills": [[c.row, c.start, c.end, c.is_last] for c in it.prefills], "forward": it.forward}
             for it in expected]
+    if case.prefix:
+        for w, it in zip(want, expected):
+            w["cached"] = {r: 0 for r in _admitted(it, expected)} | {r: s[2] for r, s in it.seeds.items()}
     mismatch = None
     for k in range(max(len(want), len(timeline))):
         a = timeline[k] if k < len(timeline) else None
@@ -57,3 +81,9 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
             mismatch = {"iteration": k, "engine": a, "plan": b}
             break
     return {"records": {str(r): v for r, v in records.items()}, "schedule_mismatch": mismatch}
+
+
+def _admitted(it, its) -> list[int]:
+    """Rows whose first chunk runs in iteration ``it`` (admitted there)."""
+    before = {c.row for x in its[: its.index(it)] for c in x.prefills}
+    return [c.row for c in it.prefills if c.row not in before]

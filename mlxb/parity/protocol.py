@@ -18,6 +18,16 @@ into the exact event timeline of the continuous-batching protocol, one entry per
    that iteration's forward is launched, so a row's last forward is a lookahead whose output is
    dropped; rows whose generated count reached ``max_tokens`` are retired after it.
 
+With the prompt cache on (the ``prefix`` case), the plan also models the cache on token *symbols*
+(a later row's prompt is an earlier row's prompt + output + new tokens, ``Case.prefix["links"]``):
+at admission a row starts from the longest usable cached prefix (any stored key's common prefix when
+every layer can be trimmed, else a stored key that is a prefix of the prompt), or from a leader's
+snapshot in the same iteration when it shares at least ``MIN_SHARED`` more tokens (the leader's
+chunk is split there); snapshots are taken at solo chunk ends (every end for exact-only kinds, the
+prompt body and shared points otherwise), at a token-0 finish and at retirement (prompt + output);
+a row marked ``ssd`` arrives after every snapshot went through the SSD tier. ``Iteration.seeds``
+and ``snaps`` tell the oracle which snapshot each row starts from and when snapshots are taken.
+
 The oracle executes this plan with mlx-lm; the engine under test runs its own scheduler and the
 parity driver checks that the engine's actual timeline equals the plan before comparing logits.
 Greedy decoding, EOS ignored: every row produces exactly ``max_tokens`` tokens.
@@ -28,12 +38,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 import numpy as np
 
-CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent")
+CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix")
 GENERAL = ("static", "join", "leave", "extend", "merge", "burst")
-SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "latent": ("tiny-glm-mla",)}
+# prefix: every tiny preset; True where every layer is full attention / latent (reuse at any length)
+PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
+                    "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
+SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "latent": ("tiny-glm-mla",),
+           "prefix": tuple(PREFIX_TRIMMABLE)}
+MIN_SHARED = 32  # the engine's default --prompt-cache min shared tokens for a follower
 SCHEMA = 2  # 2: whole prompts admitted in one iteration are prefilled together as a cohort
 
 
@@ -55,13 +71,43 @@ class Case:
     prefill_chunk: int = 2048
     join_full: str = "extend"  # extend | merge (full and latent layers)
     schema: int = SCHEMA
+    # prompt cache on: {"trimmable": bool, "links": {row: {"base": earlier row, "ssd": bool}}}; a linked
+    # row's prompt is its base row's prompt + output + its own ``prompt`` tokens
+    prefix: Optional[dict] = None
 
     @property
     def key(self) -> str:
         return f"{self.case}-b{self.b}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["prefix"] is None:
+            del d["prefix"]  # cases without the prompt cache keep their digests
+        return d
+
+    def link(self, r: int) -> Optional[dict]:
+        return (self.prefix or {}).get("links", {}).get(str(r))
+
+    def prompt_len(self, r: int) -> int:
+        ln = self.link(r)
+        own = len(self.rows[r].prompt)
+        return own if ln is None else self.prompt_len(ln["base"]) + self.rows[ln["base"]].max_tokens + own
+
+    def symbols(self, r: int) -> tuple:
+        """Row ``r``'s prompt with each generated token as a symbol ("o", row, step)."""
+        ln = self.link(r)
+        if ln is None:
+            return tuple(self.rows[r].prompt)
+        b = ln["base"]
+        return self.symbols(b) + tuple(("o", b, k) for k in range(self.rows[b].max_tokens)) + tuple(self.rows[r].prompt)
+
+    def resolve(self, r: int, outputs: dict) -> list[int]:
+        """Row ``r``'s real prompt ids, given earlier rows' generated tokens ``outputs[row]``."""
+        ln = self.link(r)
+        if ln is None:
+            return list(self.rows[r].prompt)
+        b = ln["base"]
+        return self.resolve(b, outputs) + list(outputs[b]) + list(self.rows[r].prompt)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Case":
@@ -79,6 +125,7 @@ class Chunk:
     start: int
     end: int
     is_last: bool
+    shared: bool = False  # a follower starts from the snapshot at ``end`` (prefilled alone)
 
 
 @dataclass
@@ -89,6 +136,9 @@ class Iteration:
     forward: list[int] = field(default_factory=list)  # batch rows of this iteration's forward, in order
     emits: dict[int, int] = field(default_factory=dict)  # row -> step whose logits this forward gives
     retire: list[int] = field(default_factory=list)  # rows removed after the forward
+    spill: bool = False  # prompt cache: every snapshot goes through the SSD tier before admissions
+    seeds: dict[int, list] = field(default_factory=dict)  # row -> [src row, src length, tokens used]
+    snaps: list = field(default_factory=list)  # [row, length]: snapshots taken, in execution order
 
 
 def applies(case: str, model: str) -> bool:
@@ -96,8 +146,69 @@ def applies(case: str, model: str) -> bool:
     return case in GENERAL or base in SPECIAL.get(case, ())
 
 
+class _Store:
+    """The prompt cache as the plan models it: keys are symbol tuples, values the snapshot ids."""
+
+    def __init__(self, trimmable: bool):
+        self.trimmable = trimmable
+        self.keys: dict[tuple, tuple] = {}  # key -> (row, length) of the snapshot
+
+    def insert(self, key: tuple, src: tuple) -> None:
+        if key in self.keys or (self.trimmable and any(k[:len(key)] == key for k in self.keys)):
+            return  # already covered
+        if self.trimmable:
+            for k in [k for k in self.keys if key[:len(k)] == k]:
+                del self.keys[k]
+        self.keys[key] = src
+
+    def lookup(self, seq: tuple, limit: int) -> tuple[int, Optional[tuple]]:
+        best, src = 0, None
+        for k, v in self.keys.items():
+            if self.trimmable:
+                n = _lcp(k, seq, limit)
+            else:
+                n = len(k) if len(k) <= limit and seq[:len(k)] == k else 0
+            if n > best:
+                best, src = n, v
+            elif n == best and n > 0 and v != src:
+                raise ValueError(f"ambiguous prefix case: two snapshots serve {n} tokens")
+        return best, src
+
+
+def _lcp(a, b, limit: int) -> int:
+    n, i = min(limit, len(a), len(b)), 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _admit_cached(case: Case, store: _Store, seqs: dict, r: int, it: Iteration) -> int:
+    """Mirror of the scheduler's cached start: lookup, then a leader's chunk in this iteration."""
+    limit = len(seqs[r]) - 1
+    cached, src = store.lookup(seqs[r], limit)
+    best, at = cached, None
+    for i, c in enumerate(it.prefills):
+        n = _lcp(seqs[r], seqs[c.row], min(limit, c.end))
+        if n > max(best, c.start) and n - cached >= MIN_SHARED:
+            best, at = n, i
+    if at is not None:
+        c = it.prefills[at]
+        if best < c.end:
+            parts = [Chunk(c.row, c.start, best, False, True), Chunk(c.row, best, c.end, c.is_last, c.shared)]
+        else:
+            parts = [Chunk(c.row, c.start, c.end, c.is_last, True)]
+        it.prefills[at:at + 1] = parts
+        it.seeds[r] = [c.row, best, best]
+    elif cached > 0:
+        it.seeds[r] = [src[0], src[1], cached]
+    return best
+
+
 def plan(case: Case) -> list[Iteration]:
     rows = case.rows
+    L = {i: case.prompt_len(i) for i in range(len(rows))}
+    store = _Store(case.prefix["trimmable"]) if case.prefix else None
+    seqs = {i: case.symbols(i) for i in range(len(rows))} if case.prefix else {}
     waiting: list[int] = []
     prefilling: list[int] = []
     pos: dict[int, int] = {}
@@ -108,7 +219,9 @@ def plan(case: Case) -> list[Iteration]:
     k = 0
     while len(done) < len(rows):
         it = Iteration()
-        waiting += [i for i, r in enumerate(rows) if r.arrive == k]
+        arriving = [i for i, r in enumerate(rows) if r.arrive == k]
+        it.spill = any((case.link(i) or {}).get("ssd") for i in arriving)
+        waiting += arriving
         idle = not batch and not prefilling  # the engine's default prefill_burst: eight chunks
         budget, j = (8 * case.prefill_chunk if idle else case.prefill_chunk), 0
         while budget > 0 and j < case.b:
@@ -116,27 +229,31 @@ def plan(case: Case) -> list[Iteration]:
                 r = prefilling[j]
             elif waiting and len(batch) + len(prefilling) < case.b:
                 r = waiting.pop(0)
+                pos[r] = _admit_cached(case, store, seqs, r, it) if store is not None else 0
                 prefilling.append(r)
-                pos[r] = 0
             else:
                 break
             j += 1
-            body = len(rows[r].prompt) - 1
+            body = L[r] - 1
             end = min(pos[r] + min(budget, case.prefill_chunk), body)
             last = end >= body
             it.prefills.append(Chunk(r, pos[r], end, last))
             budget -= (end - pos[r]) + (1 if last else 0)
             if not last:
                 break
-        whole = [ch.row for ch in it.prefills if ch.start == 0 and ch.is_last]
+        whole = [ch.row for ch in it.prefills if ch.start == 0 and ch.is_last and not ch.shared]
         it.cohort = whole if len(whole) >= 2 else []
         for ch in it.prefills:
             pos[ch.row] = ch.end
+            if store is not None and ch.row not in it.cohort and (not store.trimmable or ch.is_last or ch.shared):
+                _snap(store, it, seqs[ch.row][:ch.end], (ch.row, ch.end))
             if ch.is_last:
                 prefilling.remove(ch.row)
                 produced[ch.row] = 1
                 if rows[ch.row].max_tokens == 1:
                     done.add(ch.row)
+                    if store is not None and ch.row not in it.cohort:
+                        _snap(store, it, seqs[ch.row], (ch.row, L[ch.row]))
                 else:
                     batch.append(ch.row)
                     it.joins.append(ch.row)
@@ -151,6 +268,9 @@ def plan(case: Case) -> list[Iteration]:
             it.retire = [r for r in batch if r in prev and prev[r] == rows[r].max_tokens - 1]
             batch = [r for r in batch if r not in it.retire]
             done.update(it.retire)
+            for r in it.retire if store is not None else []:
+                m = rows[r].max_tokens
+                _snap(store, it, seqs[r] + tuple(("o", r, s) for s in range(m)), (r, L[r] + m))
         its.append(it)
         k += 1
         if k > 100_000:
@@ -158,8 +278,16 @@ def plan(case: Case) -> list[Iteration]:
     return its
 
 
+def _snap(store: _Store, it: Iteration, key: tuple, src: tuple) -> None:
+    if not key:
+        return
+    it.snaps.append(list(src))
+    store.insert(key, src)
+
+
 def plan_json(case: Case) -> list[dict]:
-    return [asdict(i) | {"emits": {str(r): s for r, s in i.emits.items()}} for i in plan(case)]
+    return [asdict(i) | {"emits": {str(r): s for r, s in i.emits.items()},
+                         "seeds": {str(r): s for r, s in i.seeds.items()}} for i in plan(case)]
 
 
 TOPK = 5
@@ -220,7 +348,41 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
     elif case == "latent":  # MLA latent cache through joins and retirements
         chunk = 16
         rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 8 + 2 * ((i + 1) % 3), 3 * i) for i in range(b)]
+    elif case == "prefix":
+        return _prefix_case(model, dtype, b, seed, rng, vocab)
     return Case(model, dtype, case, b, seed, rows, chunk, join_full)
+
+
+def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> Case:
+    """Prompt-cache reuse: a multi-turn chain (turn 2 extends turn 1's prompt + output, turn 3 extends
+    turn 2's after every snapshot went through the SSD tier and spans two chunks), then a burst of
+    B rows sharing a 40-token prefix (one leader prefills it, the others start from its snapshot),
+    and a repeat of turn 1's prompt (a trimmed or exact body snapshot)."""
+    firsts = rng.choice(np.arange(3, vocab), size=2 + b, replace=False).tolist()  # distinct first tokens
+
+    def fresh(first, n):
+        return [first] + _prompt(rng, n - 1, vocab)
+
+    p0 = fresh(firsts[0], 40)
+    shared = fresh(firsts[1], 40)
+    rows = [RowSpec(p0, 6, 0)]
+    links: dict = {}
+    c = Case(model, dtype, "prefix", b, seed, rows, 64, "extend",
+             prefix={"trimmable": PREFIX_TRIMMABLE[model.split("@")[0]], "links": links})
+
+    def after_all():  # the iteration after every row so far has finished
+        return len(plan(c))
+
+    rows.append(RowSpec(_prompt(rng, 8, vocab), 5, after_all()))
+    links["1"] = {"base": 0, "ssd": False}
+    rows.append(RowSpec(_prompt(rng, 30, vocab), 5, after_all()))
+    links["2"] = {"base": 1, "ssd": True}
+    start = after_all()
+    for i in range(b):
+        rows.append(RowSpec(shared + [firsts[2 + i]] + _prompt(rng, 5 + 3 * i, vocab), 6 + i, start))
+    rows.append(RowSpec(list(p0), 4, start + 2))
+    plan(c)  # raises if any lookup were ambiguous
+    return c
 
 
 def cases_for(model: str, dtype: str, bs, names=None, seed: int = 0, vocab: int = 8192, window: int = 64):

@@ -18,9 +18,15 @@ class Metrics:
         self.active = Gauge("mlxb_active_rows", "Rows decoding or prefilling", registry=r)
         self.pending = Gauge("mlxb_pending_rows", "Rows waiting for admission", registry=r)
         self.kv = Gauge("mlxb_kv_bytes", "KV cache bytes held by the running batch", registry=r)
+        self.prompt_cache = Gauge("mlxb_prompt_cache", "Prompt cache, cumulative counts and current sizes "
+                                  "(hits, misses, cached_tokens, ram_bytes, ssd_bytes, evictions, spills, restores, "
+                                  "load_s, ...)", ["stat"], registry=r)
 
     def render(self, stats: dict) -> bytes:
         self.active.set(stats["active_rows"])
         self.pending.set(stats["pending_rows"])
         self.kv.set(stats["kv_bytes"])
+        for k, v in (stats.get("prompt_cache") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.prompt_cache.labels(k).set(v)
         return generate_latest(self.registry)

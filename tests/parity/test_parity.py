@@ -56,7 +56,7 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     assert out["ok"] and all(x["ok"] for x in res)
     live = [x for x in res if x["against"] == "live"]
     gold = [x for x in res if x["against"].startswith("golden")]
-    assert len(live) == len(gold) == 320  # 6 presets x (6 general + special) cases x B=1..4 x 2 dtypes
+    assert len(live) == len(gold) == 368  # 6 presets x (6 general + special + prefix) cases x B=1..4 x 2 dtypes
     assert sum(x["steps"] for x in live) > 7500  # coverage: 7932 row-steps (schema 2 plus the burst case)
     assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
     if (ROOT / "goldens" / out["machine_key"]).is_dir():
@@ -64,7 +64,8 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
 
 
 @pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
-                                        ("double_last_token", "static"), ("always_aligned", "join")])
+                                        ("double_last_token", "static"), ("always_aligned", "join"),
+                                        ("prefix_off_by_one", "prefix")])
 def test_negative_control_fails(fault, case):
     r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", case, "--against", "both", "--plant-fault", fault)
     assert r.returncode == 1, r.stdout

@@ -1,0 +1,86 @@
+"""The prompt cache through HTTP: cached_tokens in OpenAI's usage shape (JSON and the final SSE
+chunk), the opt-out field, /stats and /metrics, and a restart that hits the SSD tier."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import LiveServer
+
+SYSTEM = "You are a careful coding agent. " * 30  # a long shared system prompt
+
+
+def chat(client, user, **extra):
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+            "max_tokens": 6, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def cached_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pc")
+    srv = LiveServer(batch=4, default_max_tokens=8, prompt_cache_dir=str(d))
+    yield srv, d
+    srv.stop()
+
+
+def test_repeat_and_shared_prefix_report_cached_tokens(cached_server):
+    srv, _ = cached_server
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        first = chat(c, "write a parser")
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        again = chat(c, "write a parser")
+        n = again["usage"]["prompt_tokens"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1  # all but the last token
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        other = chat(c, "now write tests for it")
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] > 200  # the shared system prompt
+        off = chat(c, "write a parser", cache_prompt=False)
+        assert off["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "write a parser"}],
+                "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            events = [json.loads(e[6:]) for e in r.read().decode().split("\n\n") if e and e != "data: [DONE]"]
+        usage = events[-1]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        stats = c.get("/stats").json()["prompt_cache"]
+        assert stats["enabled"] and stats["hits"] >= 3 and stats["ram_entries"] >= 1
+        assert stats["reuse"] == {"full": "any prefix length (trimmed)"}
+        metrics = c.get("/metrics").text
+        assert 'mlxb_prompt_cache{stat="hits"}' in metrics and 'mlxb_prompt_cache{stat="ram_bytes"}' in metrics
+
+
+def test_restart_hits_the_ssd_tier(cached_server, tmp_path):
+    srv, _ = cached_server
+    d = str(tmp_path / "restart")
+    a = LiveServer(batch=4, default_max_tokens=8, prompt_cache_dir=d)
+    try:
+        with httpx.Client(base_url=a.url, timeout=60) as c:
+            cold = chat(c, "remember this conversation")
+    finally:
+        a.stop()  # graceful: RAM entries are written to the SSD tier
+    b = LiveServer(batch=4, default_max_tokens=8, prompt_cache_dir=d)
+    try:
+        with httpx.Client(base_url=b.url, timeout=60) as c:
+            warm = chat(c, "remember this conversation")
+            stats = c.get("/stats").json()["prompt_cache"]
+    finally:
+        b.stop()
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == warm["usage"]["prompt_tokens"] - 1
+    assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert stats["ssd_restores"] == 1 and stats["ssd_hits"] == 1
+
+
+def test_no_prompt_cache_turns_it_off(tmp_path):
+    srv = LiveServer(batch=4, default_max_tokens=4, prompt_cache=False)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            chat(c, "x")
+            again = chat(c, "x")
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert c.get("/stats").json()["prompt_cache"] == {"enabled": False}
+    finally:
+        srv.stop()

@@ -1,0 +1,72 @@
+"""The engine with the prompt cache on every synthetic preset: the same greedy tokens as with the
+cache off (batch lane and --batch 1), real cached_tokens, and a budget that evicts cache for rows."""
+
+import numpy as np
+import pytest
+
+from mlxb.cache.prompt_cache import PromptCache
+from mlxb.engine.engine import Engine
+from mlxb.engine.stream import OutputStream
+from mlxb.request import Request
+from tests.conftest import TINY
+
+
+def waves(n_users=3, seed=0):
+    rng = np.random.default_rng(seed)
+    system = rng.integers(3, 8000, size=100).tolist()  # past the Gemma window: rings wrap
+    users = [system + rng.integers(3, 8000, size=8 + 3 * i).tolist() for i in range(n_users)]
+    return [users, users]  # an agent burst sharing a system prompt, then the same prompts again
+
+
+def serve(model, tok, batch, cache, tmp_path=None, kv_budget=None, max_tokens=10):
+    eng = Engine(model, tok, max_batch=batch, prefill_chunk=48, kv_budget=kv_budget)
+    if cache:
+        eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30, disk_dir=tmp_path,
+                                            disk_bytes=(1 << 30) if tmp_path else 0))
+    eng.start()
+    out = []
+    try:
+        for w, wave in enumerate(waves()):
+            reqs = [Request(f"w{w}r{i}", p, max_tokens) for i, p in enumerate(wave)]
+            streams = []
+            for r in reqs:
+                r.mechanism = "continuous" if batch > 1 else "serial"
+                streams.append(OutputStream(r.request_id))
+                eng.submit(r, streams[-1])
+            for r, st in zip(reqs, streams):
+                recs = list(st)
+                assert recs[-1].error is None, recs[-1].error
+                out.append(([o.token for o in recs if o.token is not None], r.cached_tokens))
+    finally:
+        eng.shutdown()
+    return out, eng
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("batch", [3, 1])
+def test_cache_on_gives_the_same_tokens_and_real_cached_counts(name, batch, tiny_models):
+    model, tok, _, _ = tiny_models(name)
+    off, _ = serve(model, tok, batch, cache=False)
+    on, eng = serve(model, tok, batch, cache=True)
+    assert [t for t, _ in on] == [t for t, _ in off]
+    assert all(c == 0 for _, c in off)
+    cached = [c for _, c in on]
+    assert cached[0] == 0 and all(c >= 48 for c in cached[1:3])  # the burst shared the system prompt
+    lens = [len(p) for p in waves()[1]]
+    assert cached[3:] == [n - 1 for n in lens]  # repeats reuse everything but the last token
+    st = eng.prompt_cache_stats()
+    assert st["hits"] >= 3 and st["ram_entries"] >= 1
+    eng.prompt_cache.ram.check_integrity()
+
+
+def test_a_tight_budget_evicts_cache_entries_never_rows(tiny_models):
+    model, tok, _, _ = tiny_models("tiny-llama")
+    probe = Engine(model, tok, max_batch=3)
+    one_row = probe.projection.row_bytes(100 + 14 + 10)
+    budget = 3 * one_row + one_row // 2  # three live rows fit; cached entries must give way
+    on, eng = serve(model, tok, 3, cache=True, kv_budget=budget)
+    off, _ = serve(model, tok, 3, cache=False, kv_budget=budget)
+    assert [t for t, _ in on] == [t for t, _ in off]  # nobody was dropped or failed
+    st = eng.prompt_cache_stats()
+    assert st["evictions"] > 0
+    assert eng.prompt_cache.nbytes + eng.scheduler.used_bytes <= budget
