@@ -179,6 +179,39 @@ def features(
     _run_stacks(m, spec, path, tok, vocab, None, peer, batch, scale, cells, dtype, "features")
 
 
+@app.command("restart")
+@cli_errors
+def restart(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    prompt_len: int = typer.Option(2048, "--prompt-len", min=2, help="Tokens of the repeated prompt."),
+    output_len: int = typer.Option(16, "--output-len", min=1),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+    batch: int = typer.Option(8, "--batch"),
+) -> None:
+    """Prompt cache across a restart: TTFT cold, repeated, and after a graceful restart (SSD tier)."""
+    from mlxb.bench.restart import run
+    from mlxb.bench.store import labels, write_run
+
+    spec, path, tok, vocab = _tokenizer_and_path(model, dtype)
+    with progress() as prog:
+        task = prog.add_task("restart", total=repeats)
+        req_rows, summ = run(str(path), tok, vocab, prompt_len=prompt_len, output_len=output_len, repeats=repeats,
+                             batch=batch, progress=lambda d, done, total: prog.update(task, completed=done))
+    out = write_run(Path("reports/results"), labels(spec.name, dtype or spec.dtype, "restart"), req_rows, summ)
+    t = Table(title=f"TTFT of a {prompt_len}-token prompt: cold, repeated, after a restart (SSD tier)")
+    for c in ("repeat", "cold s", "repeat s", "after restart s", "cached after restart", "restart / cold"):
+        t.add_column(c)
+    for rep in range(repeats):
+        by = {r["stack"]: r for r in summ if r["repeat"] == rep}
+        c, w, a = (by[k]["p50_ttft"] for k in ("cold", "repeat", "after-restart"))
+        ratio = f"{a / c:.3f}" if a and c else "-"
+        t.add_row(str(rep), f"{c:.3f}" if c else "-", f"{w:.3f}" if w else "-", f"{a:.3f}" if a else "-",
+                  str(by["after-restart"]["cached_tokens"]), ratio)
+    console.print(t)
+    console.print(f"wrote {out}")
+
+
 @app.command("engine")
 @cli_errors
 def engine(

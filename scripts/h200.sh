@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -42,4 +42,12 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --output-len 128 --repeats 2 --ttft-threshold 2.0 2>&1 | tail -20
     mlxb report reports/results --out "$OUT/serve-h200.html" && mlxb report reports/results --out "$OUT/serve-h200.md"
     tar czf "$OUT/serve-results.tgz" reports/results ;;
+  agents)  # prompt cache: agents sharing a 2k-token system prompt, mlxb serve vs mlx_lm.server, 8 and 32 clients
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    mkdir -p /tmp/bench && cd /tmp/bench
+    mlxb bench load -m /var/tmp/$m --peer mlx-lm --batch 64 --dataset shared-prefix --system-len 2048 \
+      --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-32} --output-len 128 --repeats ${REPEATS:-2} --ttft-threshold 2.0 2>&1 | tail -24
+    mlxb report reports/results --out "$OUT/agents-h200.html" && mlxb report reports/results --out "$OUT/agents-h200.md"
+    tar czf "$OUT/agents-results.tgz" reports/results ;;
 esac

@@ -55,7 +55,8 @@ def gate_results(cell: Cell, results: list[L.RequestResult]) -> dict:
 
 async def _probe(t: Target, ds: L.Dataset) -> Optional[str]:
     """None if the stack serves one short request of this cell; else the reason it cannot."""
-    probe = L.Dataset(ds.name, [dict(ds.payloads[0], max_tokens=2)])
+    first = ds.payloads[0] if ds.payloads else {**ds.conversations[0]["extra"], "messages": ds.conversations[0]["messages"]}
+    probe = L.Dataset(ds.name, [dict(first, max_tokens=2)])
     res = await L.run_load(t.base_url, t.model, probe, concurrency=1, n_requests=1)
     r = res[0]
     if r.ok:

@@ -24,6 +24,8 @@ OURS = "mlxb"
 def _ratio_ci(a: np.ndarray, b: np.ndarray, stat, seed: int = 0) -> tuple[float, Optional[float], Optional[float]]:
     from scipy.stats import bootstrap
 
+    if not len(a) or not len(b) or stat(b) == 0 or not np.isfinite(stat(b)):
+        return None, None, None  # the peer produced nothing to compare with (every request failed)
     point = stat(a) / stat(b)
     if len(a) < 2 or len(b) < 2:
         return point, None, None
@@ -55,7 +57,9 @@ def ab_table(summ: pd.DataFrame, reqs: pd.DataFrame) -> list[dict]:
             tp, tlo, thi = _ratio_ci(a, b, np.mean)
             row = {"cell": cell, "concurrency": int(conc), "peer": peer, "ours_tps": float(a.mean()),
                    "peer_tps": float(b.mean()), "tps_ratio": tp, "tps_lo": tlo, "tps_hi": thi,
-                   "tps_verdict": _verdict(tlo, thi, True)}
+                   "tps_verdict": "peer served nothing" if tp is None else _verdict(tlo, thi, True)}
+            row.update({"ours_p95_ttft": None, "peer_p95_ttft": None, "ttft_ratio": None, "ttft_lo": None,
+                        "ttft_hi": None, "ttft_verdict": "no TTFT from a stack"})
             if not reqs.empty:
                 sel = reqs[(reqs["cell"] == cell) & (reqs["concurrency"] == conc) & reqs["ok"]]
                 ta = sel[sel["stack"] == OURS]["ttft"].dropna().to_numpy(float)

@@ -62,11 +62,14 @@ class Server:
         return self.proc.returncode
 
 
-def command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int) -> list[str]:
+def command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int,
+            prompt_cache_dir: Optional[str] = None) -> list[str]:
     if stack == "mlxb":
+        # NOTE: a private SSD tier per start unless one is given: a benchmark never hits an earlier run's files
         return [sys.executable, "-m", "mlxb.commands.main", "serve", "--model", model_path, "--port", str(port),
                 "--batch", str(batch), "--prefill-step-size", str(prefill_step), "--max-tokens", str(max_tokens),
-                "--log-level", "warning"]
+                "--log-level", "warning", "--prompt-cache-dir",
+                prompt_cache_dir or tempfile.mkdtemp(prefix="mlxb-bench-prompt-cache-")]
     if stack == "mlx-lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(port),
                 "--decode-concurrency", str(batch), "--prefill-step-size", str(prefill_step),
@@ -75,9 +78,9 @@ def command(stack: str, model_path: str, port: int, batch: int, prefill_step: in
 
 
 def start(stack: str, model_path: str, *, batch: int = 8, prefill_step: int = 2048, max_tokens: int = 512,
-          ready_timeout: float = 300.0) -> Server:
+          ready_timeout: float = 300.0, prompt_cache_dir: Optional[str] = None) -> Server:
     port = free_port()
-    cmd = command(stack, model_path, port, batch, prefill_step, max_tokens)
+    cmd = command(stack, model_path, port, batch, prefill_step, max_tokens, prompt_cache_dir)
     log = tempfile.NamedTemporaryFile("w", prefix=f"mlxb-bench-{stack}-", suffix=".log", delete=False)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
