@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, load_prompt_cache
 
 from mlxb.cache import snapshot as snap
 from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
@@ -57,6 +57,59 @@ def model_dtype(model) -> str:
     return "unknown"
 
 
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int8": "I8", "int16": "I16",
+              "int32": "I32", "int64": "I64", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+              "bool": "BOOL"}
+
+
+def prepare_payload(layers: list) -> tuple[dict, dict]:
+    """On the engine thread: an entry as mlx-lm's ``save_prompt_cache`` lays it out (flattened states,
+    scalars as arrays, class names in the metadata), each tensor as a zero-copy buffer."""
+    from mlx.utils import tree_flatten
+
+    scalars = [""]
+    tensors = {}
+    for key, v in tree_flatten([c.state for c in layers]):
+        if isinstance(v, mx.array):
+            arr = v
+        elif isinstance(v, (bool, int, float)):
+            scalars.append((key, "scalar"))
+            arr = mx.array(v)
+        elif v is None:
+            scalars.append((key, "none"))
+            arr = mx.array([])
+        else:
+            raise ValueError(f"cache state is not serializable: {type(v).__name__}")
+        arr = mx.contiguous(arr)
+        mx.eval(arr)
+        tensors[key] = arr
+    meta = dict(tree_flatten([{}, [type(c).__name__ for c in layers], scalars]))
+    return tensors, {k: str(v) for k, v in meta.items()}
+
+
+def write_payload(path: str, payload: tuple[dict, dict]) -> None:
+    """On the writer thread: a safetensors file written with plain file writes (which release the GIL,
+    so the engine thread keeps stepping while a large entry goes to disk); ``mx.load`` reads it."""
+    import json
+    import struct
+
+    tensors, meta = payload
+    header, views, offset = {"__metadata__": meta}, [], 0
+    for key, arr in tensors.items():
+        view = memoryview(arr).cast("B")
+        header[key] = {"dtype": _ST_DTYPES[str(arr.dtype).replace("mlx.core.", "")], "shape": list(arr.shape),
+                       "data_offsets": [offset, offset + view.nbytes]}
+        views.append(view)
+        offset += view.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for view in views:
+            f.write(view)
+
+
 class PromptCache:
     def __init__(self, model, kinds: list[str], *, max_bytes: int, max_entries: Optional[int] = None,
                  disk_dir: Optional[str | Path] = None, disk_bytes: int = 0, kv_scheme: str = "none",
@@ -70,7 +123,7 @@ class PromptCache:
         self.disk: Optional[DiskTier] = None
         if disk_dir is not None and disk_bytes > 0:
             self.disk = DiskTier(disk_dir, disk_bytes, trimmable={self.namespace: self.trimmable},
-                                 save=lambda path, layers: save_prompt_cache(path, layers))
+                                 save=write_payload, prepare=prepare_payload)
         self._shapes = self._probe_shapes(model)
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "cached_tokens": 0, "inserts": 0,
                          "ram_hits": 0, "ssd_hits": 0}

@@ -50,9 +50,11 @@ def file_sha256(path: Path) -> str:
 
 class DiskTier:
     def __init__(self, root: str | Path, max_bytes: int, *, trimmable: dict[str, bool],
-                 save: Callable[[str, list], None], max_queue: int = 64):
+                 save: Callable[[str, object], None], prepare: Callable[[list], object] = lambda layers: layers,
+                 max_queue: int = 64):
         """``trimmable``: namespace -> reuse rule (only these namespaces are indexed);
-        ``save(path, layers)`` writes one payload (runs on the writer thread)."""
+        ``prepare(layers)`` runs on the caller's (engine) thread when an entry is spilled and
+        ``save(path, prepared)`` writes it on the writer thread."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.index = PrefixCache(max_bytes, on_evict=self._delete)
@@ -61,7 +63,7 @@ class DiskTier:
         for ns, trim in trimmable.items():
             self.index.add_namespace(ns, trim)
             self._pending.add_namespace(ns, trim)
-        self._save = save
+        self._save, self._prepare = save, prepare
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # guards the index between the writer and the engine thread
         self.counters = {"spills": 0, "spill_dropped": 0, "writes": 0, "write_errors": 0, "restores": 0,
@@ -142,7 +144,8 @@ class DiskTier:
         with self._lock:
             queued = self._pending.insert(entry.namespace, entry.tokens, entry.layers, 0)
         try:
-            self._queue.put((entry, list(kinds), fingerprint), block=block, timeout=60 if block else None)
+            self._queue.put((entry, self._prepare(entry.layers), list(kinds), fingerprint), block=block,
+                            timeout=60 if block else None)
         except queue.Full:
             self.counters["spill_dropped"] += 1
             with self._lock:
@@ -167,11 +170,11 @@ class DiskTier:
                     self._unqueue(item[0])
                 self._queue.task_done()
 
-    def _write(self, entry: PrefixEntry, kinds: list, fingerprint: str) -> None:
+    def _write(self, entry: PrefixEntry, prepared, kinds: list, fingerprint: str) -> None:
         payload, header = self._paths(entry.namespace, entry.tokens)
         payload.parent.mkdir(parents=True, exist_ok=True)
         tmp = payload.with_name(payload.stem + ".tmp.safetensors")
-        self._save(str(tmp), entry.layers)
+        self._save(str(tmp), prepared)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, payload)

@@ -2,8 +2,6 @@
 SSD tier round-trips bit for bit, survives a restart, and skips corrupt or foreign files."""
 
 import json
-import threading
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -137,24 +135,14 @@ def test_lookups_while_the_writer_spills(tiny_models, tmp_path):
     prompts = [ids(48, 10 + i) for i in range(12)]
     for p in prompts:
         pc.put(p, prefill(model, p))
-    errors = []
-
-    def spill():
-        try:
-            pc.spill_all()
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    t = threading.Thread(target=spill)
-    t.start()
+    pc.spill_all()  # queued on this (the engine's) thread; the writer thread writes them meanwhile
     hits = 0
     for _ in range(5):
         for p in prompts:
             m = pc.lookup(p + [7], len(p))
             hits += m is not None and m.num_tokens == len(p)
-    t.join()
     assert pc.disk.flush(30)
-    assert not errors and pc.disk.counters["write_errors"] == 0
+    assert pc.disk.counters["write_errors"] == 0
     assert pc.disk.num_entries == 12
     # every lookup found its prefix, in RAM or restored from disk
     assert hits == 60
