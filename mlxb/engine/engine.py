@@ -398,9 +398,11 @@ class Engine:
             self._fresh[key] = entry
         self._respect_budget()
 
-    @staticmethod
-    def _keeps(req: Request, status) -> bool:
-        return req.cache_prompt and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+    def _keeps(self, req: Request, status) -> bool:
+        """A finished row goes back to the prompt cache (the cache is on, the request allows it, it
+        ended normally)."""
+        return (self.prompt_cache is not None and req.cache_prompt
+                and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
 
     def _put_finished(self, tokens: list, layers: list, fed: int) -> None:
         """Store a finished row's caches under the tokens they hold (prompt + fed output)."""

@@ -70,3 +70,26 @@ def test_a_tight_budget_evicts_cache_entries_never_rows(tiny_models):
     st = eng.prompt_cache_stats()
     assert st["evictions"] > 0
     assert eng.prompt_cache.nbytes + eng.scheduler.used_bytes <= budget
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_row_ending_at_token_zero_keeps_the_engine_alive(cache, tiny_models, tmp_path):
+    """Regression: a row that finished at token 0 with the prompt cache off crashed the engine thread
+    (it tried to store the prompt in a cache that did not exist)."""
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=4)
+    if cache:
+        eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+    eng.start()
+    try:
+        p = list(range(10, 50))
+        for i in range(2):
+            r = Request(f"one{i}", p, 1)
+            st = OutputStream(r.request_id)
+            eng.submit(r, st)
+            recs = list(st)
+            assert recs[-1].error is None and recs[-1].finish_reason == "length"
+            assert r.cached_tokens == (39 if cache and i == 1 else 0)
+        assert eng.alive
+    finally:
+        eng.shutdown()
