@@ -65,11 +65,11 @@ def _join_batch(batch: list, cohort: list, full_op: str) -> list:
     return out
 
 
-def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict):
-    """mlx-lm's own PromptProcessingBatch over the prompt bodies, then one [n, 1] step."""
-    ppb = PromptProcessingBatch(model, list(rows), [make_prompt_cache(model) for _ in rows],
-                                prefill_step_size=case.prefill_chunk)
-    ppb.prompt([prompts[r][:-1] for r in rows])
+def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: dict, starts: dict):
+    """mlx-lm's own PromptProcessingBatch over the uncached prompt bodies (each row's caches hold its
+    cached prefix, or nothing), then one [n, 1] step."""
+    ppb = PromptProcessingBatch(model, list(rows), [caches[r] for r in rows], prefill_step_size=case.prefill_chunk)
+    ppb.prompt([prompts[r][starts[r]:-1] for r in rows])
     caches = ppb.prompt_cache
     last = mx.array([prompts[r][-1] for r in rows], dtype=mx.uint32)
     logits = model(last[:, None], cache=caches)[:, -1, :]
@@ -98,6 +98,21 @@ def _seed(store: dict, src: list, model) -> list:
     return caches
 
 
+def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_tok: dict, gl):
+    starts = {ch.row: ch.start for ch in it.prefills if ch.row in it.cohort}
+    seeded = {r: _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model) for r in it.cohort}
+    caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort}, seeded, starts)
+    geo = [None] * len(it.cohort) if gl is None else _geometry(caches[gl])
+    for i, r in enumerate(it.cohort):
+        records[r].append(record(toks[i], lp[i : i + 1], geo[i]))
+        last_tok[r] = toks[i]
+    keep = [i for i, r in enumerate(it.cohort) if r in it.joins]
+    if len(keep) < len(it.cohort) and keep:
+        for c in caches:
+            c.filter(keep)
+    return caches
+
+
 def run_case(model, case: Case) -> dict:
     """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
     rows = case.rows
@@ -119,19 +134,11 @@ def run_case(model, case: Case) -> dict:
         if it.spill:
             _through_disk(store)
         cohort_caches = None
-        if it.cohort:
-            cohort_caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort})
-            geo = [None] * len(it.cohort) if gl is None else _geometry(cohort_caches[gl])
-            for i, r in enumerate(it.cohort):
-                records[r].append(record(toks[i], lp[i : i + 1], geo[i]))
-                last_tok[r] = toks[i]
-            keep = [i for i, r in enumerate(it.cohort) if r in it.joins]
-            if len(keep) < len(it.cohort) and keep:
-                for c in cohort_caches:
-                    c.filter(keep)
         for ch in it.prefills:
             r = ch.row
             if r in it.cohort:
+                if r == it.cohort[0]:  # every snapshot its rows start from was taken before this point
+                    cohort_caches = _run_cohort(model, case, it, store, prompt, records, last_tok, gl)
                 continue
             if r not in solo:
                 solo[r] = _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model)

@@ -427,7 +427,11 @@ class Engine:
         lives = [self._live[c.request_id] for c in chunks]
         rows = [lv.row for lv in lives]
         try:
-            caches, emitted = self.runner.prefill_cohort(rows)
+            for c, row in zip(chunks, rows):
+                if c.start > 0:  # starts from a cached prefix
+                    row.solo = self._seed(row.req, c.start)
+                row.seeded = True
+            caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks])
         except Exception as e:  # a prefill error rejects only the joiners
             for c, lv in zip(chunks, lives):
                 self.scheduler.on_finished(c.request_id, RequestStatus.FINISHED_ERROR)

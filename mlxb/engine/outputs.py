@@ -37,6 +37,7 @@ class PrefillChunk:
     end: int  # one past the last position fed (never the last prompt token)
     is_last: bool  # after this chunk the runner feeds the held-back last token and samples token 0
     shared: bool = False  # a follower starts from the snapshot at ``end``: prefill alone (no cohort)
+    first: bool = False  # the row's first chunk (starts at its cached length; admitted this iteration)
 
 
 @dataclass
@@ -50,9 +51,17 @@ class SchedulerOutput:
 
     @property
     def cohort(self) -> list[PrefillChunk]:
-        """Whole prompts admitted this iteration (two or more): prefilled together as one batch."""
-        whole = [c for c in self.prefills if c.start == 0 and c.is_last and not c.shared]
-        return whole if len(whole) >= 2 else []
+        """Rows admitted this iteration whose whole uncached prompt runs now (two or more): prefilled
+        together as one batch, from their cached prefixes. The run restarts after any chunk that
+        joins alone or is a shared leader's, so the cohort is contiguous in chunk order and comes
+        after every snapshot its rows start from."""
+        run: list[PrefillChunk] = []
+        for c in self.prefills:
+            if c.first and c.is_last and not c.shared:
+                run.append(c)
+            elif c.is_last or c.shared:
+                run = []
+        return run if len(run) >= 2 else []
 
     @property
     def is_empty(self) -> bool:

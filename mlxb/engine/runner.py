@@ -149,17 +149,20 @@ class Runner:
                 info = TokenLogprob(token, float(logprobs.reshape(-1)[token].item()))
         return Emitted(row, token, info)
 
-    def prefill_cohort(self, rows: list[Row]) -> tuple[list, list[Emitted]]:
-        """Prefill several whole prompts together (right-padded, one forward per chunk, then rolled to
-        left padding, as mlx-lm's ``PromptProcessingBatch`` does), feed every held-back last token in
-        one [n, 1] step, and sample each row's token 0. Returns the cohort's batch caches and emits."""
+    def prefill_cohort(self, rows: list[Row], starts: Optional[list[int]] = None) -> tuple[list, list[Emitted]]:
+        """Prefill several uncached prompt suffixes together: the rows' solo caches (empty, or holding
+        a cached prefix of ``starts[i]`` tokens) are merged (left-padded), the suffixes right-padded,
+        one forward, then rolled to left padding, as mlx-lm's ``PromptProcessingBatch`` does; feed
+        every held-back last token in one [n, 1] step, and sample each row's token 0. Returns the
+        cohort's batch caches and emits."""
+        starts = starts or [0] * len(rows)
         caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows]) for i, k in enumerate(self.kinds)]
-        bodies = [r.req.prompt_ids[:-1] for r in rows]
+        bodies = [r.req.prompt_ids[s:-1] for r, s in zip(rows, starts)]
         if "double_last_token" in self.faults:
-            bodies = [r.req.prompt_ids for r in rows]  # planted bug: the held-back token is fed twice
+            bodies = [r.req.prompt_ids[s:] for r, s in zip(rows, starts)]  # planted bug: the held-back token is fed twice
         lengths = [len(b) for b in bodies]
-        for r, n in zip(rows, lengths):
-            r.base = n + 1 - self.num_steps  # the body plus the held-back last token
+        for r, s, n in zip(rows, starts, lengths):
+            r.base = s + n + 1 - self.num_steps  # cached prefix, body and the held-back last token
         width = max(lengths)
         if width > 0:
             pad = [width - n for n in lengths]

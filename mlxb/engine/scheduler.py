@@ -142,11 +142,11 @@ class Scheduler:
                 best, at = n, i
         if at is not None:
             c = out.prefills[at]
-            parts = [PrefillChunk(c.request_id, c.start, best, False, shared=True)]
+            parts = [PrefillChunk(c.request_id, c.start, best, False, shared=True, first=c.first)]
             if best < c.end:
                 parts.append(PrefillChunk(c.request_id, best, c.end, c.is_last, shared=c.shared))
             else:
-                parts = [PrefillChunk(c.request_id, c.start, c.end, c.is_last, shared=True)]
+                parts = [PrefillChunk(c.request_id, c.start, c.end, c.is_last, shared=True, first=c.first)]
             out.prefills[at:at + 1] = parts
             self.num_shared += 1
         return best
@@ -178,7 +178,7 @@ class Scheduler:
             pos, body = self.prefill_pos[req.request_id], req.num_prompt_tokens - 1
             end = min(pos + min(budget, self.prefill_chunk), body)
             is_last = end >= body
-            out.prefills.append(PrefillChunk(req.request_id, pos, end, is_last))
+            out.prefills.append(PrefillChunk(req.request_id, pos, end, is_last, first=req.request_id in out.admitted))
             budget -= (end - pos) + (1 if is_last else 0)
             if not is_last:
                 break

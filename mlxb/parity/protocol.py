@@ -126,6 +126,7 @@ class Chunk:
     end: int
     is_last: bool
     shared: bool = False  # a follower starts from the snapshot at ``end`` (prefilled alone)
+    first: bool = False  # the row's first chunk (admitted in this iteration)
 
 
 @dataclass
@@ -194,14 +195,26 @@ def _admit_cached(case: Case, store: _Store, seqs: dict, r: int, it: Iteration) 
     if at is not None:
         c = it.prefills[at]
         if best < c.end:
-            parts = [Chunk(c.row, c.start, best, False, True), Chunk(c.row, best, c.end, c.is_last, c.shared)]
+            parts = [Chunk(c.row, c.start, best, False, True, c.first), Chunk(c.row, best, c.end, c.is_last, c.shared)]
         else:
-            parts = [Chunk(c.row, c.start, c.end, c.is_last, True)]
+            parts = [Chunk(c.row, c.start, c.end, c.is_last, True, c.first)]
         it.prefills[at:at + 1] = parts
         it.seeds[r] = [c.row, best, best]
     elif cached > 0:
         it.seeds[r] = [src[0], src[1], cached]
     return best
+
+
+def _cohort(prefills: list[Chunk]) -> list[int]:
+    """Rows whose whole uncached prompt runs in their first chunk, in the last contiguous run (a row
+    joining alone or a shared leader's chunk restarts it); two or more are prefilled together."""
+    run: list[int] = []
+    for c in prefills:
+        if c.first and c.is_last and not c.shared:
+            run.append(c.row)
+        elif c.is_last or c.shared:
+            run = []
+    return run if len(run) >= 2 else []
 
 
 def plan(case: Case) -> list[Iteration]:
@@ -224,6 +237,7 @@ def plan(case: Case) -> list[Iteration]:
         waiting += arriving
         idle = not batch and not prefilling  # the engine's default prefill_burst: eight chunks
         budget, j = (8 * case.prefill_chunk if idle else case.prefill_chunk), 0
+        admitted: set[int] = set()
         while budget > 0 and j < case.b:
             if j < len(prefilling):
                 r = prefilling[j]
@@ -231,18 +245,18 @@ def plan(case: Case) -> list[Iteration]:
                 r = waiting.pop(0)
                 pos[r] = _admit_cached(case, store, seqs, r, it) if store is not None else 0
                 prefilling.append(r)
+                admitted.add(r)
             else:
                 break
             j += 1
             body = L[r] - 1
             end = min(pos[r] + min(budget, case.prefill_chunk), body)
             last = end >= body
-            it.prefills.append(Chunk(r, pos[r], end, last))
+            it.prefills.append(Chunk(r, pos[r], end, last, first=r in admitted))
             budget -= (end - pos[r]) + (1 if last else 0)
             if not last:
                 break
-        whole = [ch.row for ch in it.prefills if ch.start == 0 and ch.is_last and not ch.shared]
-        it.cohort = whole if len(whole) >= 2 else []
+        it.cohort = _cohort(it.prefills)
         for ch in it.prefills:
             pos[ch.row] = ch.end
             if store is not None and ch.row not in it.cohort and (not store.trimmable or ch.is_last or ch.shared):
@@ -356,8 +370,9 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
 def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> Case:
     """Prompt-cache reuse: a multi-turn chain (turn 2 extends turn 1's prompt + output, turn 3 extends
     turn 2's after every snapshot went through the SSD tier and spans two chunks), then a burst of
-    B rows sharing a 40-token prefix (one leader prefills it, the others start from its snapshot),
-    and a repeat of turn 1's prompt (a trimmed or exact body snapshot)."""
+    B rows sharing a 40-token prefix (one leader prefills it, the others start from its snapshot and
+    prefill their suffixes as one cohort), then turn 1's prompt again and a new turn 2 together (two
+    cached prefixes of different lengths: a left-padded cohort from B=2 on)."""
     firsts = rng.choice(np.arange(3, vocab), size=2 + b, replace=False).tolist()  # distinct first tokens
 
     def fresh(first, n):
@@ -380,7 +395,10 @@ def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> 
     start = after_all()
     for i in range(b):
         rows.append(RowSpec(shared + [firsts[2 + i]] + _prompt(rng, 5 + 3 * i, vocab), 6 + i, start))
-    rows.append(RowSpec(list(p0), 4, start + 2))
+    after = after_all()
+    rows.append(RowSpec(list(p0), 4, after))  # turn 1 again: a trimmed (or exact body) snapshot
+    rows.append(RowSpec(_prompt(rng, 5, vocab), 5, after))  # turn 2 again, another question
+    links[str(len(rows) - 1)] = {"base": 0, "ssd": False}
     plan(c)  # raises if any lookup were ambiguous
     return c
 

@@ -35,7 +35,8 @@ def test_burst_sharing_a_prefix_prefills_it_once():
     # the leader's chunk is split at the shared length; followers start there
     assert got == [("r0", 0, 40, False, True), ("r0", 40, 42, True, False),
                    ("r1", 40, 42, True, False), ("r2", 40, 42, True, False)]
-    assert out.cohort == [] and [r.cached_tokens for r in rows] == [0, 40, 40]
+    # the followers' suffixes run as one cohort, after the leader's snapshot
+    assert [c.request_id for c in out.cohort] == ["r1", "r2"] and [r.cached_tokens for r in rows] == [0, 40, 40]
     assert s.num_shared == 2
 
 
@@ -72,3 +73,15 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4], 10) == 2
     assert common_prefix([1, 2, 3], [1, 2, 3], 2) == 2
     assert common_prefix([], [1], 5) == 0
+
+
+def test_cached_rows_form_a_cohort_and_a_lone_joiner_restarts_it():
+    from mlxb.engine.outputs import PrefillChunk as C, SchedulerOutput
+
+    out = SchedulerOutput(prefills=[C("a", 10, 20, True, first=True), C("b", 0, 30, True, first=True)])
+    assert [c.request_id for c in out.cohort] == ["a", "b"]  # different cached starts: one left-padded batch
+    out = SchedulerOutput(prefills=[C("a", 10, 20, True, first=True), C("x", 64, 70, True),  # x continues alone
+                                    C("b", 0, 30, True, first=True), C("c", 5, 9, True, first=True)])
+    assert [c.request_id for c in out.cohort] == ["b", "c"]
+    out = SchedulerOutput(prefills=[C("b", 0, 30, True, first=True), C("c", 0, 20, False, first=True)])
+    assert out.cohort == []  # c is still prefilling: b joins alone
