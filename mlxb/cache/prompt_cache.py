@@ -113,12 +113,16 @@ def write_payload(path: str, payload: tuple[dict, dict]) -> None:
 class PromptCache:
     def __init__(self, model, kinds: list[str], *, max_bytes: int, max_entries: Optional[int] = None,
                  disk_dir: Optional[str | Path] = None, disk_bytes: int = 0, kv_scheme: str = "none",
-                 adapter: str = "none"):
+                 adapter: str = "none", memory_limit: Optional[int] = None):
+        """``memory_limit``: device bytes in use (MLX active memory) above which RAM entries are
+        evicted (spilled) after every insert, whatever ``max_bytes`` allows."""
         self.kinds = list(kinds)
         self.trimmable = all(k in ("full", "latent") for k in self.kinds)
         self.fingerprint = model_fingerprint(model)
         self.namespace = f"{self.fingerprint}|{model_dtype(model)}|kv={kv_scheme}|adapter={adapter}"
         self.ram = PrefixCache(max_bytes, max_entries, on_evict=self._spill)
+        self.memory_limit = memory_limit
+        self.num_pressure_evictions = 0
         self.ram.add_namespace(self.namespace, self.trimmable)
         self.disk: Optional[DiskTier] = None
         if disk_dir is not None and disk_bytes > 0:
@@ -229,6 +233,16 @@ class PromptCache:
     def evict(self, num_bytes: int) -> int:
         return self.ram.evict(num_bytes)
 
+    def relieve_pressure(self) -> int:
+        """Evict entries while the device holds more than ``memory_limit`` bytes; returns bytes freed."""
+        if self.memory_limit is None or self.ram.total_bytes == 0:
+            return 0
+        over = mx.get_active_memory() - self.memory_limit
+        if over <= 0:
+            return 0
+        self.num_pressure_evictions += 1
+        return self.ram.evict(over)
+
     @property
     def nbytes(self) -> int:
         return self.ram.total_bytes
@@ -249,6 +263,7 @@ class PromptCache:
         out = {"enabled": True, "namespace": self.namespace, **self.counters,
                "ram_bytes": self.ram.total_bytes, "ram_entries": self.ram.num_entries,
                "ram_max_bytes": self.ram.max_bytes, "evictions": self.ram.num_evictions,
+               "memory_pressure_evictions": self.num_pressure_evictions,
                "reuse": {k: snap.REUSE[k] for k in sorted(set(self.kinds))}}
         if self.disk is not None:
             out.update({"ssd_dir": str(self.disk.root), "ssd_bytes": self.disk.total_bytes,

@@ -10,21 +10,24 @@ from mlxb.engine.warmup import warm_up
 from mlxb.models import load_model
 
 
-def default_cache_bytes(kv_budget: Optional[int]) -> int:
-    """RAM tier cap when --prompt-cache-bytes is not given: the whole --kv-budget (entries give way
-    to live rows at admission), else a quarter of the device's memory."""
-    if kv_budget is not None:
-        return kv_budget
+def device_memory() -> int:
+    """The allocator's memory limit (MLX's own: the working set on Metal, device memory on CUDA)."""
     import mlx.core as mx
 
     from mlxb.doctor import memory_bytes
 
-    total = memory_bytes()
     try:
-        total = int(mx.device_info().get("memory_size", 0)) or total
+        return int(mx.get_memory_limit()) or memory_bytes()
     except Exception:
-        pass
-    return max(total // 4, 64 << 20)
+        return memory_bytes()
+
+
+def default_cache_bytes(kv_budget: Optional[int], weights_bytes: int = 0) -> int:
+    """RAM tier cap when --prompt-cache-bytes is not given: the whole --kv-budget (entries give way
+    to live rows at admission), else a fifth of the device memory the weights leave free."""
+    if kv_budget is not None:
+        return kv_budget
+    return max((device_memory() - weights_bytes) // 5, 64 << 20)
 
 
 def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: Optional[int] = None,
@@ -35,8 +38,12 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
 
     if not engine.batchable:
         return None
+    from mlx.utils import tree_flatten
+
+    weights = sum(a.nbytes for _, a in tree_flatten(engine.model.parameters()))
     return PromptCache(engine.model, engine.kinds,
-                       max_bytes=default_cache_bytes(kv_budget) if max_bytes is None else max_bytes,
+                       max_bytes=default_cache_bytes(kv_budget, weights) if max_bytes is None else max_bytes,
+                       memory_limit=int(0.85 * device_memory()),
                        max_entries=max_entries,
                        disk_dir=disk_dir or (mlxb_home() / "prompt-cache"),
                        disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes)

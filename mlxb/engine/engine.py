@@ -313,7 +313,7 @@ class Engine:
                 for rid in failed:
                     s.on_finished(rid, RequestStatus.FINISHED_ERROR)
                     self.delivery.finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
-                mx.clear_cache()
+                self._after_device_error(e)
                 return
             self.counters["steps"] += 1
             if len(r.rows) > 1:
@@ -350,6 +350,7 @@ class Engine:
                 return
             em = self.runner.first_token(row)
         except Exception as e:  # a prefill error rejects only the joiner
+            self._after_device_error(e)
             self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
             self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
             return
@@ -422,6 +423,14 @@ class Engine:
             over = self.scheduler.used_bytes + self.prompt_cache.nbytes - budget
             if over > 0:
                 self.prompt_cache.evict(over)
+        self.prompt_cache.relieve_pressure()
+
+    def _after_device_error(self, e: Exception) -> None:
+        """A failed forward (often out of memory): cached prefixes give their memory back first, so
+        the next requests run instead of failing the same way."""
+        if self.prompt_cache is not None and "memory" in str(e).lower():
+            self.prompt_cache.evict(self.prompt_cache.nbytes)
+        mx.clear_cache()
 
     def _prefill_cohort(self, chunks) -> None:
         lives = [self._live[c.request_id] for c in chunks]
@@ -433,6 +442,7 @@ class Engine:
                 row.seeded = True
             caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks])
         except Exception as e:  # a prefill error rejects only the joiners
+            self._after_device_error(e)
             for c, lv in zip(chunks, lives):
                 self.scheduler.on_finished(c.request_id, RequestStatus.FINISHED_ERROR)
                 self.delivery.finish(lv, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))

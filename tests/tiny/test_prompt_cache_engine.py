@@ -93,3 +93,36 @@ def test_a_row_ending_at_token_zero_keeps_the_engine_alive(cache, tiny_models, t
         assert eng.alive
     finally:
         eng.shutdown()
+
+
+def test_memory_pressure_and_an_out_of_memory_prefill_give_cache_memory_back(tiny_models):
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=4)
+    pc = PromptCache(model, eng.kinds, max_bytes=1 << 30)
+    eng.attach_prompt_cache(pc)
+    eng.start()
+
+    def ask(rid, prompt):
+        r = Request(rid, prompt, 3)
+        st = OutputStream(r.request_id)
+        eng.submit(r, st)
+        return list(st)[-1]
+
+    try:
+        assert ask("a", list(range(10, 80))).error is None and pc.nbytes > 0
+        real = eng.runner.prefill_chunk
+
+        def oom(*a, **k):
+            eng.runner.prefill_chunk = real
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+
+        eng.runner.prefill_chunk = oom
+        failed = ask("b", list(range(100, 170)))
+        assert failed.error is not None and "out of memory" in str(failed.error)
+        assert pc.nbytes == 0 and pc.ram.num_evictions > 0  # the cache gave its memory back
+        assert ask("c", list(range(200, 270))).error is None and eng.alive
+        pc.memory_limit = 0  # any device memory in use is now over the limit: inserts are evicted again
+        assert ask("d", list(range(300, 370))).error is None
+        assert pc.nbytes == 0 and pc.stats()["memory_pressure_evictions"] > 0
+    finally:
+        eng.shutdown()
