@@ -234,11 +234,15 @@ class PromptCache:
         return self.ram.evict(num_bytes)
 
     def relieve_pressure(self) -> int:
-        """Evict entries while the device holds more than ``memory_limit`` bytes; returns bytes freed."""
-        if self.memory_limit is None or self.ram.total_bytes == 0:
+        """Keep device memory under ``memory_limit``: first return MLX's cached free buffers, then
+        evict entries while the arrays in use still exceed it. Returns the entry bytes freed."""
+        if self.memory_limit is None:
             return 0
+        if mx.get_active_memory() + mx.get_cache_memory() <= self.memory_limit:
+            return 0
+        mx.clear_cache()
         over = mx.get_active_memory() - self.memory_limit
-        if over <= 0:
+        if over <= 0 or self.ram.total_bytes == 0:
             return 0
         self.num_pressure_evictions += 1
         return self.ram.evict(over)

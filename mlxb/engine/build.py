@@ -24,10 +24,10 @@ def device_memory() -> int:
 
 def default_cache_bytes(kv_budget: Optional[int], weights_bytes: int = 0) -> int:
     """RAM tier cap when --prompt-cache-bytes is not given: the whole --kv-budget (entries give way
-    to live rows at admission), else a fifth of the device memory the weights leave free."""
+    to live rows at admission), else an eighth of the device memory the weights leave free."""
     if kv_budget is not None:
         return kv_budget
-    return max((device_memory() - weights_bytes) // 5, 64 << 20)
+    return max((device_memory() - weights_bytes) // 8, 64 << 20)
 
 
 def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: Optional[int] = None,
@@ -43,7 +43,7 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
     weights = sum(a.nbytes for _, a in tree_flatten(engine.model.parameters()))
     return PromptCache(engine.model, engine.kinds,
                        max_bytes=default_cache_bytes(kv_budget, weights) if max_bytes is None else max_bytes,
-                       memory_limit=int(0.85 * device_memory()),
+                       memory_limit=int(0.75 * device_memory()),
                        max_entries=max_entries,
                        disk_dir=disk_dir or (mlxb_home() / "prompt-cache"),
                        disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes)
