@@ -364,7 +364,8 @@ async def run_load(base_url: str, model: str, dataset: Dataset, *, concurrency: 
 def knee(points: list[tuple[float, Optional[float]]], threshold: float) -> Optional[float]:
     """Highest load, going up, before p95 TTFT first exceeds ``threshold`` seconds (points: (load, p95))."""
     best = None
-    for load, p95 in sorted(points):
+    # NOTE: within one load the worst repeat comes first (a failed repeat has no p95): any breach stops it
+    for load, p95 in sorted(points, key=lambda x: (x[0], float("-inf") if x[1] is None else -x[1])):
         if p95 is None or p95 > threshold:
             break
         best = load

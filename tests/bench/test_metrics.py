@@ -50,6 +50,9 @@ def test_open_loop_arrivals_rate_and_burstiness():
 def test_knee_stops_at_first_breach():
     assert L.knee([(1, 0.1), (2, 0.3), (4, 0.9), (8, 3.0), (16, 0.5)], 1.0) == 4
     assert L.knee([(1, 5.0)], 1.0) is None
+    # a repeat where every request failed has no p95: it counts as a breach, never a crash
+    assert L.knee([(8, 0.5), (8, None), (32, 0.4)], 1.0) is None
+    assert L.knee([(4, 0.5), (8, None)], 1.0) == 4
 
 
 def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
