@@ -65,11 +65,17 @@ def _join_batch(batch: list, cohort: list, full_op: str) -> list:
     return out
 
 
-def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: dict, starts: dict):
+def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: dict, starts: dict,
+                    it=None, store=None):
     """mlx-lm's own PromptProcessingBatch over the uncached prompt bodies (each row's caches hold its
-    cached prefix, or nothing), then one [n, 1] step."""
+    cached prefix, or nothing), then one [n, 1] step. Snapshots the plan asks for at the body end are
+    the batch's own ``extract``."""
     ppb = PromptProcessingBatch(model, list(rows), [caches[r] for r in rows], prefill_step_size=case.prefill_chunk)
     ppb.prompt([prompts[r][starts[r]:-1] for r in rows])
+    for i, r in enumerate(rows):
+        n = len(prompts[r]) - 1
+        if it is not None and [r, n] in it.snaps:
+            store[(r, n)] = ppb.extract_cache(i)
     caches = ppb.prompt_cache
     last = mx.array([prompts[r][-1] for r in rows], dtype=mx.uint32)
     logits = model(last[:, None], cache=caches)[:, -1, :]
@@ -101,7 +107,8 @@ def _seed(store: dict, src: list, model) -> list:
 def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_tok: dict, gl):
     starts = {ch.row: ch.start for ch in it.prefills if ch.row in it.cohort}
     seeded = {r: _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model) for r in it.cohort}
-    caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort}, seeded, starts)
+    caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort}, seeded, starts,
+                                       it, store)
     geo = [None] * len(it.cohort) if gl is None else _geometry(caches[gl])
     for i, r in enumerate(it.cohort):
         records[r].append(record(toks[i], lp[i : i + 1], geo[i]))

@@ -399,6 +399,21 @@ class Engine:
             self._fresh[key] = entry
         self._respect_budget()
 
+    def _cohort_snapshot(self, rows: list):
+        """Exact-only models: each cohort row's ``len(prompt) - 1`` snapshot, extracted from the batch
+        (a repeat of the prompt hits it). Trimmable models skip the copy: the row's finish stores
+        prompt + output, which serves every shorter prefix."""
+        pc = self.prompt_cache
+        if pc is None or pc.trimmable:
+            return None
+
+        def put(i: int, layers: list) -> None:
+            if rows[i].req.cache_prompt and rows[i].req.num_prompt_tokens > 1:
+                pc.put(rows[i].req.prompt_ids[:-1], layers)
+                self._respect_budget()
+
+        return put
+
     def _keeps(self, req: Request, status) -> bool:
         """A finished row goes back to the prompt cache (the cache is on, the request allows it, it
         ended normally)."""
@@ -440,7 +455,7 @@ class Engine:
                 if c.start > 0:  # starts from a cached prefix
                     row.solo = self._seed(row.req, c.start)
                 row.seeded = True
-            caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks])
+            caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks], self._cohort_snapshot(rows))
         except Exception as e:  # a prefill error rejects only the joiners
             self._after_device_error(e)
             for c, lv in zip(chunks, lives):

@@ -149,12 +149,14 @@ class Runner:
                 info = TokenLogprob(token, float(logprobs.reshape(-1)[token].item()))
         return Emitted(row, token, info)
 
-    def prefill_cohort(self, rows: list[Row], starts: Optional[list[int]] = None) -> tuple[list, list[Emitted]]:
+    def prefill_cohort(self, rows: list[Row], starts: Optional[list[int]] = None,
+                       snapshot: Optional[Callable[[int, list], None]] = None) -> tuple[list, list[Emitted]]:
         """Prefill several uncached prompt suffixes together: the rows' solo caches (empty, or holding
         a cached prefix of ``starts[i]`` tokens) are merged (left-padded), the suffixes right-padded,
         one forward, then rolled to left padding, as mlx-lm's ``PromptProcessingBatch`` does; feed
         every held-back last token in one [n, 1] step, and sample each row's token 0. Returns the
-        cohort's batch caches and emits."""
+        cohort's batch caches and emits. ``snapshot(i, layers)`` receives row ``i``'s single-row caches
+        (mlx-lm's ``extract``) after the suffixes ran, before the held-back tokens: ``len(prompt) - 1``."""
         starts = starts or [0] * len(rows)
         caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows]) for i, k in enumerate(self.kinds)]
         bodies = [r.req.prompt_ids[s:-1] for r, s in zip(rows, starts)]
@@ -174,6 +176,9 @@ class Runner:
                 for c in caches:
                     c.finalize()
             mx.eval([c.state for c in caches])
+        if snapshot is not None:
+            for i in range(len(rows)):
+                snapshot(i, [ROW_OPS[k].extract(c, i) for k, c in zip(self.kinds, caches)])
         last = mx.array([r.req.prompt_ids[-1] for r in rows], dtype=mx.uint32)
         logits = self.model(last[:, None], cache=caches)[:, -1, :]
         geo = None

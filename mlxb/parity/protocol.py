@@ -163,17 +163,20 @@ class _Store:
         self.keys[key] = src
 
     def lookup(self, seq: tuple, limit: int) -> tuple[int, Optional[tuple]]:
-        best, src = 0, None
+        served = []
         for k, v in self.keys.items():
             if self.trimmable:
                 n = _lcp(k, seq, limit)
             else:
                 n = len(k) if len(k) <= limit and seq[:len(k)] == k else 0
-            if n > best:
-                best, src = n, v
-            elif n == best and n > 0 and v != src:
-                raise ValueError(f"ambiguous prefix case: two snapshots serve {n} tokens")
-        return best, src
+            served.append((n, v))
+        best = max((n for n, _ in served), default=0)
+        if best == 0:
+            return 0, None
+        srcs = {v for n, v in served if n == best}
+        if len(srcs) > 1:
+            raise ValueError(f"ambiguous prefix case: two snapshots serve {best} tokens")
+        return best, srcs.pop()
 
 
 def _lcp(a, b, limit: int) -> int:
@@ -259,7 +262,10 @@ def plan(case: Case) -> list[Iteration]:
         it.cohort = _cohort(it.prefills)
         for ch in it.prefills:
             pos[ch.row] = ch.end
-            if store is not None and ch.row not in it.cohort and (not store.trimmable or ch.is_last or ch.shared):
+            # solo chunk ends (all for exact-only kinds; body end and shared points otherwise); cohort rows
+            # of exact-only models at the body end (extracted from the cohort batch)
+            solo_snap = ch.row not in it.cohort and (not store.trimmable or ch.is_last or ch.shared) if store else False
+            if solo_snap or (store is not None and ch.row in it.cohort and not store.trimmable):
                 _snap(store, it, seqs[ch.row][:ch.end], (ch.row, ch.end))
             if ch.is_last:
                 prefilling.remove(ch.row)
@@ -371,8 +377,9 @@ def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> 
     """Prompt-cache reuse: a multi-turn chain (turn 2 extends turn 1's prompt + output, turn 3 extends
     turn 2's after every snapshot went through the SSD tier and spans two chunks), then a burst of
     B rows sharing a 40-token prefix (one leader prefills it, the others start from its snapshot and
-    prefill their suffixes as one cohort), then turn 1's prompt again and a new turn 2 together (two
-    cached prefixes of different lengths: a left-padded cohort from B=2 on)."""
+    prefill their suffixes as one cohort), then turn 1's prompt again, a new turn 2 and the last burst
+    row's prompt again together (cached prefixes of different lengths: a left-padded cohort from
+    B=2 on; the repeat hits the body snapshot its cohort took)."""
     firsts = rng.choice(np.arange(3, vocab), size=2 + b, replace=False).tolist()  # distinct first tokens
 
     def fresh(first, n):
@@ -399,6 +406,7 @@ def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> 
     rows.append(RowSpec(list(p0), 4, after))  # turn 1 again: a trimmed (or exact body) snapshot
     rows.append(RowSpec(_prompt(rng, 5, vocab), 5, after))  # turn 2 again, another question
     links[str(len(rows) - 1)] = {"base": 0, "ssd": False}
+    rows.append(RowSpec(list(rows[2 + b].prompt), 3, after))  # the last burst row again: its body snapshot
     plan(c)  # raises if any lookup were ambiguous
     return c
 
