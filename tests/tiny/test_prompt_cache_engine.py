@@ -126,3 +126,40 @@ def test_memory_pressure_and_an_out_of_memory_prefill_give_cache_memory_back(tin
         assert pc.nbytes == 0 and pc.stats()["memory_pressure_evictions"] > 0
     finally:
         eng.shutdown()
+
+
+def test_seeded_sampling_and_logprobs_are_the_same_with_the_cache(tiny_models):
+    """A cached prefix gives the same logits as a fresh prefill, so seeded sampling draws the same
+    tokens and reports the same logprobs (and penalties see the whole prompt as their context)."""
+    from mlxb.request import SamplingParams
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+
+    def go(cache):
+        eng = Engine(model, tok, max_batch=3, prefill_chunk=48)
+        if cache:
+            eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+        eng.start()
+        got = []
+        try:
+            for w, wave in enumerate(waves()):
+                reqs = [Request(f"s{w}{i}", p, 8, SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i,
+                                                                  repetition_penalty=1.2, logprobs=True,
+                                                                  top_logprobs=3))
+                        for i, p in enumerate(wave)]
+                streams = []
+                for r in reqs:
+                    r.mechanism = "continuous"
+                    streams.append(OutputStream(r.request_id))
+                    eng.submit(r, streams[-1])
+                for r, st in zip(reqs, streams):
+                    recs = [o for o in st if o.token is not None]
+                    got.append(([o.token for o in recs], [o.logprob.top for o in recs], r.cached_tokens))
+        finally:
+            eng.shutdown()
+        return got
+
+    off, on = go(False), go(True)
+    assert [t for t, _, _ in on] == [t for t, _, _ in off]
+    assert [lp for _, lp, _ in on] == [lp for _, lp, _ in off]
+    assert sum(c for _, _, c in on) > 0 and sum(c for _, _, c in off) == 0
