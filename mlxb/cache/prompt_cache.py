@@ -251,6 +251,15 @@ class PromptCache:
     def nbytes(self) -> int:
         return self.ram.total_bytes
 
+    def reset(self) -> None:
+        """Forget every RAM entry without spilling it and zero the counters (after the warm-up)."""
+        for e in self.ram.entries():
+            self.ram.remove(e)
+        self.ram.num_evictions = 0
+        self.num_pressure_evictions = 0
+        for k in self.counters:
+            self.counters[k] = 0
+
     def spill_all(self) -> None:
         """Move every RAM entry to the SSD tier (written in the background) and empty RAM."""
         self.ram.clear()

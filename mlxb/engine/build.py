@@ -58,11 +58,10 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     m, tok, spec, path = load_model(model, dtype)
     engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
                     context_limit=context_limit(m), **engine_kw)
-    # NOTE: the warm-up runs before the prompt cache is attached, so its tiny prompts are never cached
     pc = build_prompt_cache(engine, kv_budget=kv_budget, max_bytes=prompt_cache_bytes, max_entries=prompt_cache_size,
                             disk_dir=prompt_cache_dir, disk_bytes=prompt_cache_disk_bytes) if prompt_cache else None
+    engine.attach_prompt_cache(pc)  # NOTE: the warm-up runs the cache paths too, then empties the RAM tier
     engine.warmup = warm_up(engine) if warmup else None  # before traffic: first-use kernel compiles
-    engine.attach_prompt_cache(pc)
     engine.start()
     gw = Gateway(engine, tok, model_name=spec.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
     gw.spec, gw.path = spec, path

@@ -8,7 +8,9 @@ fresh process stalled the running row 0.7-8.9 s, the third 39-64 ms (``reports/h
 ``warm_up`` drives a short scripted schedule through the real scheduler and runner of an engine
 that has not started, the way the parity driver does, so that each path runs once with tiny
 prompts: a lone adopted row, a join into it, retirement to a merged single row, a join onto that
-merged batch, an idle cohort with padding and an aligned one (no mask). Kernels depend on the kind
+merged batch, an idle cohort with padding and an aligned one (no mask); with the prompt cache on,
+also a shared-prefix burst (split leader, followers' cached cohort), a repeat and a left-padded
+cohort of a hit and a miss (snapshots, borrowed rows, extraction). Kernels depend on the kind
 of input rather than its exact size, so later traffic with other lengths finds them compiled. The
 engine is left idle with its counters at zero.
 """
@@ -30,10 +32,25 @@ SCRIPT = [
     (30, 14, 3), (30, 14, 3),  # an idle cohort of equal lengths (aligned: no mask)
 ]
 SERIAL = [(0, 12, 4)]
+# with the prompt cache on: (arrival, (shared prefix tokens, own tokens, salt), max_tokens)
+PREFIX = [
+    (44, (40, 3, 1), 4),  # a leader whose chunk is split at the shared length
+    (44, (40, 5, 2), 4), (44, (40, 6, 3), 4),  # followers: one cohort from the leader's snapshot
+    (56, (40, 3, 1), 3),  # the leader's prompt again: a cache hit, prefilled alone
+    (64, (40, 7, 4), 3), (64, (0, 24, 5), 3),  # a hit and a miss together: a left-padded cached cohort
+]
+SERIAL_PREFIX = [(6, (40, 3, 1), 3), (12, (40, 5, 2), 3)]
 
 
 def _ids(n: int, salt: int) -> list[int]:
     return [(7 * i + 13 * salt) % 200 + 5 for i in range(n)]  # ids every tokenizer has
+
+
+def _prompt(spec, k: int) -> list[int]:
+    if isinstance(spec, int):
+        return _ids(spec, k)
+    shared, own, salt = spec
+    return _ids(shared, 97) + _ids(own, 11 * salt + 3)
 
 
 def warm_up(engine, max_iterations: int = 200) -> dict:
@@ -43,11 +60,13 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
     still unfinished after ``max_iterations`` are cancelled, so the engine always ends idle."""
     assert not engine._thread.is_alive(), "warm up before start()"
     script = SCRIPT if engine.mode == "batch" else SERIAL
+    if engine.prompt_cache is not None:  # the cache paths too: snapshots, borrowed rows, cached cohorts
+        script = script + (PREFIX if engine.mode == "batch" else SERIAL_PREFIX)
     mechanism = "continuous" if engine.mode == "batch" else "serial"
     plan: list[tuple[int, Request]] = []
     skipped = 0
     for k, (at, n, max_tokens) in enumerate(script):
-        req = Request(f"warmup-{k}", _ids(n, k), max_tokens, ignore_eos=True)
+        req = Request(f"warmup-{k}", _prompt(n, k), max_tokens, ignore_eos=True)
         req.mechanism = mechanism
         try:
             engine.check_admissible(req)
@@ -77,6 +96,9 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
     finished = [list(st)[-1].finish_reason for st in streams]  # every stream is closed by now
     stats = {"seconds": time.perf_counter() - t0, "iterations": it, "requests": len(streams), "skipped": skipped,
              "batched_steps": engine.counters["batched_steps"], "finished": finished}
+    if engine.prompt_cache is not None:
+        stats["cached_tokens"] = engine.prompt_cache.counters["cached_tokens"]
+        engine.prompt_cache.reset()  # serve with an empty RAM tier: warm-up prompts are not kept
     engine.runner.drop_all()
     engine.runner.timing.clear()
     for key in engine.counters:

@@ -163,3 +163,38 @@ def test_seeded_sampling_and_logprobs_are_the_same_with_the_cache(tiny_models):
     assert [t for t, _, _ in on] == [t for t, _, _ in off]
     assert [lp for _, lp, _ in on] == [lp for _, lp, _ in off]
     assert sum(c for _, _, c in on) > 0 and sum(c for _, _, c in off) == 0
+
+
+@pytest.mark.parametrize("name,batch", [("tiny-llama", 4), ("tiny-gemma3", 3), ("tiny-qwen3.5", 3), ("tiny-llama", 1)])
+def test_warm_up_runs_the_cache_paths_then_serves_with_an_empty_cache(name, batch, tiny_models):
+    from mlxb.engine.warmup import PREFIX, SCRIPT, SERIAL, SERIAL_PREFIX, warm_up
+
+    model, tok, _, _ = tiny_models(name)
+    eng = Engine(model, tok, max_batch=batch)
+    pc = PromptCache(model, eng.kinds, max_bytes=1 << 30)
+    eng.attach_prompt_cache(pc)
+    stats = warm_up(eng)
+    want = SCRIPT + PREFIX if batch > 1 else SERIAL + SERIAL_PREFIX
+    assert stats["finished"] == ["length"] * len(want)
+    assert stats["cached_tokens"] >= 40  # borrowed prefixes were really used
+    if batch > 1:
+        assert eng.scheduler.num_shared > 0  # the split leader ran
+    assert pc.ram.num_entries == 0 and pc.nbytes == 0 and all(v == 0 for v in pc.counters.values())
+    assert not eng._live and eng.scheduler.is_idle
+    plain = Engine(model, tok, max_batch=batch)  # no cache, no warm-up: the reference
+    assert ask_in_turn(eng, batch) == ask_in_turn(plain, batch)
+
+
+def ask_in_turn(eng, batch):
+    eng.start()
+    got = []
+    try:
+        for i, p in enumerate(waves()[0]):
+            r = Request(f"after{i}", p, 10)
+            r.mechanism = "continuous" if batch > 1 else "serial"
+            st = OutputStream(r.request_id)
+            eng.submit(r, st)
+            got.append([o.token for o in st if o.token is not None])
+    finally:
+        eng.shutdown()
+    return got
