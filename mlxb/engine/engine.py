@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
 from mlxb.engine.delivery import Delivery, Live
+from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Row, Runner
 from mlxb.engine.sampler import RowSampler
 from mlxb.engine.scheduler import Scheduler
@@ -62,9 +63,7 @@ class Engine:
         self.kinds = layer_kinds(model)
         self.batchable = all(k is not None for k in self.kinds)
         self.projection = kv_projection(model, self.kinds) if self.batchable else None
-        self.prompt_cache = prompt_cache if self.batchable else None  # mlxb.cache.prompt_cache.PromptCache
-        self._hits: dict = {}  # request id -> PrefixMatch found at admission (held until the row seeds)
-        self._fresh: dict = {}  # prompt prefix -> entry snapshotted this iteration (followers read it)
+        self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(
             max_batch=max_batch,
@@ -76,8 +75,8 @@ class Engine:
             prefill_burst=prefill_burst,
             prefix_lookup=None,  # set by attach_prompt_cache
             min_shared=min_shared,
-            cache_bytes=lambda: self.prompt_cache.nbytes if self.prompt_cache is not None else 0,
-            evict_cache=lambda n: self.prompt_cache.evict(n) if self.prompt_cache is not None else 0,
+            cache_bytes=self.reuse.nbytes,
+            evict_cache=self.reuse.evict,
         )
         self.attach_prompt_cache(prompt_cache)
         self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults,
@@ -153,15 +152,17 @@ class Engine:
             "prompt_cache": self.prompt_cache_stats(),
         }
 
+    @property
+    def prompt_cache(self):
+        """The attached ``mlxb.cache.prompt_cache.PromptCache``, or None (off)."""
+        return self.reuse.cache
+
     def attach_prompt_cache(self, prompt_cache) -> None:
         """Use ``prompt_cache`` (or None: off) from the next admission on; call before ``start()``."""
-        self.prompt_cache = prompt_cache if self.batchable else None
-        self.scheduler.prefix_lookup = self._lookup if self.prompt_cache is not None else None
+        self.reuse.attach(prompt_cache if self.batchable else None)
 
     def prompt_cache_stats(self) -> dict:
-        if self.prompt_cache is None:
-            return {"enabled": False}
-        return {**self.prompt_cache.stats(), "shared_prefill_rows": self.scheduler.num_shared}
+        return self.reuse.stats()
 
     def step_timing(self) -> dict:
         """Mean host time per decode step (ms) by phase, from the runner's summed timings."""
@@ -220,8 +221,7 @@ class Engine:
                 try:
                     self._iteration(out)
                 finally:
-                    self._hits.clear()
-                    self._fresh.clear()
+                    self.reuse.end_iteration()
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made
@@ -313,7 +313,7 @@ class Engine:
                 for rid in failed:
                     s.on_finished(rid, RequestStatus.FINISHED_ERROR)
                     self.delivery.finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
-                self._after_device_error(e)
+                self.reuse.after_device_error(e)
                 return
             self.counters["steps"] += 1
             if len(r.rows) > 1:
@@ -326,10 +326,9 @@ class Engine:
                     done[em.row.req.request_id] = status
             if done:
                 keep = [i for i, row in enumerate(r.rows) if row.req.request_id not in done]
-                if self.prompt_cache is not None:
-                    gone = [i for i, row in enumerate(r.rows) if self._keeps(row.req, done.get(row.req.request_id))]
-                    for row, layers, fed in r.extract_rows(gone):
-                        self._put_finished(row.req.prompt_ids + row.tokens, layers, fed)
+                gone = [i for i, row in enumerate(r.rows) if self.reuse.keeps(row.req, done.get(row.req.request_id))]
+                for row, layers, fed in r.extract_rows(gone):
+                    self.reuse.put_finished(row.req.prompt_ids + row.tokens, layers, fed)
                 r.filter(keep)
                 for rid, status in done.items():
                     s.on_finished(rid, status)
@@ -341,16 +340,16 @@ class Engine:
         try:
             if not row.seeded:
                 if chunk.start > 0:
-                    row.solo = self._seed(row.req, chunk.start)
+                    row.solo = self.reuse.seed(row.req, chunk.start)
                 row.seeded = True
             self.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
             self.scheduler.on_prefill_chunk(chunk)
-            self._boundary_snapshot(row, chunk)
+            self.reuse.boundary_snapshot(row, chunk)
             if not chunk.is_last:
                 return
             em = self.runner.first_token(row)
         except Exception as e:  # a prefill error rejects only the joiner
-            self._after_device_error(e)
+            self.reuse.after_device_error(e)
             self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
             self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
             return
@@ -360,92 +359,9 @@ class Engine:
             self.runner.join(row, em.token)
             self.scheduler.on_joined(chunk.request_id)
         else:  # finished at token 0: never joins
-            if self._keeps(row.req, status):
-                self._put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
+            if self.reuse.keeps(row.req, status):
+                self.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
             self.scheduler.on_finished(chunk.request_id, status)
-
-    # ---- prompt cache (engine thread; the scheduler sees token counts only) -------------------
-    def _lookup(self, req: Request) -> int:
-        """Scheduler callback at admission: cached prompt tokens usable by ``req`` (held until seeded)."""
-        m = self.prompt_cache.lookup(req.prompt_ids, req.num_prompt_tokens - 1)
-        if m is None:
-            return 0
-        self._hits[req.request_id] = m
-        return m.num_tokens
-
-    def _seed(self, req: Request, n: int) -> list:
-        """Single-row caches holding ``req``'s first ``n`` prompt tokens, lent from the prompt cache."""
-        from mlxb.cache.prefix import PrefixMatch
-
-        entry = self._fresh.get(tuple(req.prompt_ids[:n]))
-        if entry is None:
-            m = self._hits.get(req.request_id)
-            assert m is not None and m.num_tokens >= n, (req.request_id, n)
-            entry = m.entry
-        n_eff = n - 1 if "prefix_off_by_one" in self.runner.faults else n  # planted bug (parity control)
-        return self.prompt_cache.lend(PrefixMatch(entry, n_eff))
-
-    def _boundary_snapshot(self, row, chunk) -> None:
-        """Snapshot a solo prefill at its chunk end where a later row can reuse it: every boundary
-        for exact-only kinds, the prompt body (len - 1) and shared split points for all."""
-        pc = self.prompt_cache
-        if pc is None or not row.req.cache_prompt or chunk.end <= 0:
-            return
-        if pc.trimmable and not (chunk.is_last or chunk.shared):
-            return
-        key = tuple(row.req.prompt_ids[:chunk.end])
-        entry = pc.put(key, row.solo)
-        if chunk.shared:
-            self._fresh[key] = entry
-        self._respect_budget()
-
-    def _cohort_snapshot(self, rows: list):
-        """Exact-only models: each cohort row's ``len(prompt) - 1`` snapshot, extracted from the batch
-        (a repeat of the prompt hits it). Trimmable models skip the copy: the row's finish stores
-        prompt + output, which serves every shorter prefix."""
-        pc = self.prompt_cache
-        if pc is None or pc.trimmable:
-            return None
-
-        def put(i: int, layers: list) -> None:
-            if rows[i].req.cache_prompt and rows[i].req.num_prompt_tokens > 1:
-                pc.put(rows[i].req.prompt_ids[:-1], layers)
-                self._respect_budget()
-
-        return put
-
-    def _keeps(self, req: Request, status) -> bool:
-        """A finished row goes back to the prompt cache (the cache is on, the request allows it, it
-        ended normally)."""
-        return (self.prompt_cache is not None and req.cache_prompt
-                and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
-
-    def _put_finished(self, tokens: list, layers: list, fed: int) -> None:
-        """Store a finished row's caches under the tokens they hold (prompt + fed output)."""
-        pc = self.prompt_cache
-        if fed > len(tokens):  # a lookahead token we never read: trim it where the kinds allow
-            if not pc.trimmable:
-                return
-            for c in layers:
-                c.trim(fed - len(tokens))
-            fed = len(tokens)
-        pc.put(tokens[:fed], layers)
-        self._respect_budget()
-
-    def _respect_budget(self) -> None:
-        budget = self.scheduler.kv_budget
-        if budget is not None:
-            over = self.scheduler.used_bytes + self.prompt_cache.nbytes - budget
-            if over > 0:
-                self.prompt_cache.evict(over)
-        self.prompt_cache.relieve_pressure()
-
-    def _after_device_error(self, e: Exception) -> None:
-        """A failed forward (often out of memory): cached prefixes give their memory back first, so
-        the next requests run instead of failing the same way."""
-        if self.prompt_cache is not None and "memory" in str(e).lower():
-            self.prompt_cache.evict(self.prompt_cache.nbytes)
-        mx.clear_cache()
 
     def _prefill_cohort(self, chunks) -> None:
         lives = [self._live[c.request_id] for c in chunks]
@@ -453,11 +369,11 @@ class Engine:
         try:
             for c, row in zip(chunks, rows):
                 if c.start > 0:  # starts from a cached prefix
-                    row.solo = self._seed(row.req, c.start)
+                    row.solo = self.reuse.seed(row.req, c.start)
                 row.seeded = True
-            caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks], self._cohort_snapshot(rows))
+            caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks], self.reuse.cohort_snapshot(rows))
         except Exception as e:  # a prefill error rejects only the joiners
-            self._after_device_error(e)
+            self.reuse.after_device_error(e)
             for c, lv in zip(chunks, lives):
                 self.scheduler.on_finished(c.request_id, RequestStatus.FINISHED_ERROR)
                 self.delivery.finish(lv, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
@@ -492,7 +408,7 @@ class Engine:
             try:
                 cache, start, status = None, 0, None
                 if self.prompt_cache is not None and req.cache_prompt:
-                    cache, start = self._serial_prefill(req, row)
+                    cache, start = self.reuse.serial_prefill(req, row)
                 gen = generate_step(
                     mx.array(req.prompt_ids[start:], dtype=mx.uint32),
                     self.model,
@@ -515,37 +431,11 @@ class Engine:
                     self.delivery.flush()
                     if status is not None:
                         break
-                if cache is not None and self._keeps(req, status):  # holds prompt + every emitted token
-                    self._put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens))
+                if cache is not None and self.reuse.keeps(req, status):  # holds prompt + every emitted token
+                    self.reuse.put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens))
             except Exception as e:
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
         self._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
-
-    def _serial_prefill(self, req: Request, row: Row) -> tuple[list, int]:
-        """The serial path's prefill with the prompt cache: start from the longest cached prefix,
-        prefill the body in chunks with the same snapshots as the batch lane, hold back the last
-        token for generate_step. A request with penalty processors does not reuse (mlx-lm's
-        generate_step would see only the uncached suffix as their context), but still stores."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        pc, ids = self.prompt_cache, req.prompt_ids
-        body = len(ids) - 1
-        cache, pos = make_prompt_cache(self.model), 0
-        if not row.sampler.processors:
-            m = pc.lookup(ids, body)
-            if m is not None:
-                cache, pos = pc.lend(m), m.num_tokens
-                req.cached_tokens = pos
-        while pos < body:
-            end = min(pos + self.prefill_chunk, body)
-            self.model(mx.array(ids[pos:end])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            mx.clear_cache()
-            pos = end
-            if not pc.trimmable or pos == body:
-                pc.put(ids[:pos], cache)
-                self._respect_budget()
-        return cache, body
 
     def _wants_vec(self, req: Request) -> bool:
         return self.runner.capture is not None or req.sampling.logprobs or req.sampling.top_logprobs > 0

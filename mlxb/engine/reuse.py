@@ -1,0 +1,158 @@
+"""The prompt cache on the engine thread: what the engine asks of it, in one place.
+
+The scheduler sees token counts only (``lookup`` is its admission callback); everything that
+touches cache arrays happens here, on the engine thread, inside the device lock:
+
+* ``lookup`` at admission: the longest usable cached prefix; the entry is held until the row seeds.
+* ``seed`` a row's first chunk: single-row caches lent from that entry, or from a leader's snapshot
+  taken earlier in the same iteration (``fresh``).
+* ``boundary_snapshot`` / ``cohort_snapshot`` during prefill, ``put_finished`` when a row ends.
+* ``respect_budget`` after every insert: live rows + entries within ``--kv-budget``, device memory
+  under the cache's pressure limit. ``after_device_error``: a failed forward empties the RAM tier.
+* ``serial_prefill``: the ``--batch 1`` path through the same cache, with the same snapshots.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from mlxb.cache.prefix import PrefixMatch
+from mlxb.request import Request, RequestStatus
+
+
+class PrefixReuse:
+    def __init__(self, engine):
+        self.engine = engine
+        self.cache = None  # mlxb.cache.prompt_cache.PromptCache, or None: off
+        self.hits: dict = {}  # request id -> PrefixMatch found at admission (held until the row seeds)
+        self.fresh: dict = {}  # prompt prefix -> entry snapshotted this iteration (followers read it)
+
+    def attach(self, cache) -> None:
+        self.cache = cache
+        self.engine.scheduler.prefix_lookup = self.lookup if cache is not None else None
+
+    def end_iteration(self) -> None:
+        self.hits.clear()
+        self.fresh.clear()
+
+    # ---- scheduler callbacks (token counts and bytes only) -----------------------------------
+    def nbytes(self) -> int:
+        return self.cache.nbytes if self.cache is not None else 0
+
+    def evict(self, num_bytes: int) -> int:
+        return self.cache.evict(num_bytes) if self.cache is not None else 0
+
+    def lookup(self, req: Request) -> int:
+        """Cached prompt tokens usable by ``req`` (at most all but the last); held until seeded."""
+        m = self.cache.lookup(req.prompt_ids, req.num_prompt_tokens - 1)
+        if m is None:
+            return 0
+        self.hits[req.request_id] = m
+        return m.num_tokens
+
+    # ---- rows --------------------------------------------------------------------------------
+    def seed(self, req: Request, n: int) -> list:
+        """Single-row caches holding ``req``'s first ``n`` prompt tokens, lent from the cache."""
+        entry = self.fresh.get(tuple(req.prompt_ids[:n]))
+        if entry is None:
+            m = self.hits.get(req.request_id)
+            assert m is not None and m.num_tokens >= n, (req.request_id, n)
+            entry = m.entry
+        n_eff = n - 1 if "prefix_off_by_one" in self.engine.runner.faults else n  # planted bug (parity control)
+        return self.cache.lend(PrefixMatch(entry, n_eff))
+
+    def boundary_snapshot(self, row, chunk) -> None:
+        """Snapshot a solo prefill at its chunk end where a later row can reuse it: every boundary
+        for exact-only kinds, the prompt body (len - 1) and shared split points for all."""
+        pc = self.cache
+        if pc is None or not row.req.cache_prompt or chunk.end <= 0:
+            return
+        if pc.trimmable and not (chunk.is_last or chunk.shared):
+            return
+        key = tuple(row.req.prompt_ids[:chunk.end])
+        entry = pc.put(key, row.solo)
+        if chunk.shared:
+            self.fresh[key] = entry
+        self.respect_budget()
+
+    def cohort_snapshot(self, rows: list):
+        """Exact-only models: each cohort row's ``len(prompt) - 1`` snapshot, extracted from the batch
+        (a repeat of the prompt hits it). Trimmable models skip the copy: the row's finish stores
+        prompt + output, which serves every shorter prefix."""
+        pc = self.cache
+        if pc is None or pc.trimmable:
+            return None
+
+        def put(i: int, layers: list) -> None:
+            if rows[i].req.cache_prompt and rows[i].req.num_prompt_tokens > 1:
+                pc.put(rows[i].req.prompt_ids[:-1], layers)
+                self.respect_budget()
+
+        return put
+
+    def keeps(self, req: Request, status: Optional[RequestStatus]) -> bool:
+        """A finished row goes back to the cache (it is on, the request allows it, it ended normally)."""
+        return (self.cache is not None and req.cache_prompt
+                and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
+
+    def put_finished(self, tokens: list, layers: list, fed: int) -> None:
+        """Store a finished row's caches under the tokens they hold (prompt + fed output)."""
+        pc = self.cache
+        if fed > len(tokens):  # a lookahead token we never read: trim it where the kinds allow
+            if not pc.trimmable:
+                return
+            for c in layers:
+                c.trim(fed - len(tokens))
+            fed = len(tokens)
+        pc.put(tokens[:fed], layers)
+        self.respect_budget()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def respect_budget(self) -> None:
+        s = self.engine.scheduler
+        if s.kv_budget is not None:
+            over = s.used_bytes + self.cache.nbytes - s.kv_budget
+            if over > 0:
+                self.cache.evict(over)
+        self.cache.relieve_pressure()
+
+    def after_device_error(self, e: Exception) -> None:
+        """A failed forward (often out of memory): cached prefixes give their memory back first, so
+        the next requests run instead of failing the same way."""
+        if self.cache is not None and "memory" in str(e).lower():
+            self.cache.evict(self.cache.nbytes)
+        mx.clear_cache()
+
+    # ---- the serial path ---------------------------------------------------------------------
+    def serial_prefill(self, req: Request, row) -> tuple[list, int]:
+        """``--batch 1`` prefill with the cache: start from the longest cached prefix, prefill the
+        body in chunks with the same snapshots as the batch lane, hold back the last token for
+        generate_step. A request with penalty processors does not reuse (mlx-lm's generate_step
+        would see only the uncached suffix as their context), but still stores."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        eng, pc, ids = self.engine, self.cache, req.prompt_ids
+        body = len(ids) - 1
+        cache, pos = make_prompt_cache(eng.model), 0
+        if not row.sampler.processors:
+            m = pc.lookup(ids, body)
+            if m is not None:
+                cache, pos = pc.lend(m), m.num_tokens
+                req.cached_tokens = pos
+        while pos < body:
+            end = min(pos + eng.prefill_chunk, body)
+            eng.model(mx.array(ids[pos:end])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            mx.clear_cache()
+            pos = end
+            if not pc.trimmable or pos == body:
+                pc.put(ids[:pos], cache)
+                self.respect_budget()
+        return cache, body
+
+    def stats(self) -> dict:
+        if self.cache is None:
+            return {"enabled": False}
+        return {**self.cache.stats(), "shared_prefill_rows": self.engine.scheduler.num_shared}
