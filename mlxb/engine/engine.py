@@ -22,9 +22,9 @@ import mlx.core as mx
 from mlxb.cache.protocol import kv_projection, layer_kinds
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.reuse import PrefixReuse
-from mlxb.engine.runner import Row, Runner
-from mlxb.engine.sampler import RowSampler
+from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
+from mlxb.engine.serial import run_serial
 from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
@@ -211,7 +211,7 @@ class Engine:
         try:
             self._apply_cancels()
             if self._serial and self.scheduler.is_idle:
-                self._run_serial(self._serial.popleft())
+                run_serial(self, self._serial.popleft())
                 return None
             self.scheduler.hold_admission = bool(self._serial)
             out = self.scheduler.schedule()
@@ -395,47 +395,3 @@ class Engine:
                 self.scheduler.on_joined(c.request_id)
             else:  # finished at token 0: never joins
                 self.scheduler.on_finished(c.request_id, ended[c.request_id])
-
-    def _run_serial(self, live: Live) -> None:
-        """The strict serial mechanism: mlx-lm's generate_step on plain single-row caches."""
-        from mlx_lm.generate import generate_step
-
-        req = live.req
-        self.counters["serial_requests"] += 1
-        req.timings.admitted = time.perf_counter()
-        with self.device_lock:
-            row = Row(req, RowSampler(req.sampling, self.runner.special_tokens))
-            try:
-                cache, start, status = None, 0, None
-                if self.prompt_cache is not None and req.cache_prompt:
-                    cache, start = self.reuse.serial_prefill(req, row)
-                gen = generate_step(
-                    mx.array(req.prompt_ids[start:], dtype=mx.uint32),
-                    self.model,
-                    max_tokens=req.max_tokens,
-                    sampler=row.sampler.sample,
-                    logits_processors=row.sampler.processors or None,
-                    prefill_step_size=self.prefill_chunk,
-                    prompt_cache=cache,
-                )
-                for tok, logprobs in gen:
-                    if row.steps == 0:
-                        req.timings.prefill_done = time.perf_counter()
-                    self._drain_inbox(block=False)
-                    if live.cancelled:
-                        self.delivery.finish(live, RequestStatus.FINISHED_ABORTED)
-                        break
-                    self.counters["steps"] += 1
-                    em = self.runner._emit(row, int(tok), logprobs[None] if self._wants_vec(req) else None)
-                    status = self.delivery.deliver(em)
-                    self.delivery.flush()
-                    if status is not None:
-                        break
-                if cache is not None and self.reuse.keeps(req, status):  # holds prompt + every emitted token
-                    self.reuse.put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens))
-            except Exception as e:
-                self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
-        self._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
-
-    def _wants_vec(self, req: Request) -> bool:
-        return self.runner.capture is not None or req.sampling.logprobs or req.sampling.top_logprobs > 0

@@ -91,9 +91,8 @@ class Runner:
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
 
     # ---- prefill ---------------------------------------------------------------------------
-    def new_row(self, req: Request, solo: Optional[list] = None) -> Row:
-        """A joiner; ``solo`` are caches already holding a cached prompt prefix (prompt cache)."""
-        row = Row(req, RowSampler(req.sampling, self.special_tokens), solo or make_prompt_cache(self.model),
+    def new_row(self, req: Request) -> Row:
+        row = Row(req, RowSampler(req.sampling, self.special_tokens), make_prompt_cache(self.model),
                   plain=req.sampling.is_plain_greedy)
         if row.sampler.processors:
             row.context = mx.array(req.prompt_ids[:-1], dtype=mx.uint32)

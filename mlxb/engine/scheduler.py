@@ -141,12 +141,10 @@ class Scheduler:
             if n > max(best, c.start) and n - cached >= self.min_shared:
                 best, at = n, i
         if at is not None:
-            c = out.prefills[at]
-            parts = [PrefillChunk(c.request_id, c.start, best, False, shared=True, first=c.first)]
+            c = out.prefills[at]  # the leader's chunk ends at the shared length; the rest follows it
+            parts = [PrefillChunk(c.request_id, c.start, best, best == c.end and c.is_last, shared=True, first=c.first)]
             if best < c.end:
                 parts.append(PrefillChunk(c.request_id, best, c.end, c.is_last, shared=c.shared))
-            else:
-                parts = [PrefillChunk(c.request_id, c.start, c.end, c.is_last, shared=True, first=c.first)]
             out.prefills[at:at + 1] = parts
             self.num_shared += 1
         return best

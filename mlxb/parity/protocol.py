@@ -197,10 +197,9 @@ def _admit_cached(case: Case, store: _Store, seqs: dict, r: int, it: Iteration) 
             best, at = n, i
     if at is not None:
         c = it.prefills[at]
+        parts = [Chunk(c.row, c.start, best, best == c.end and c.is_last, True, c.first)]
         if best < c.end:
-            parts = [Chunk(c.row, c.start, best, False, True, c.first), Chunk(c.row, best, c.end, c.is_last, c.shared)]
-        else:
-            parts = [Chunk(c.row, c.start, c.end, c.is_last, True, c.first)]
+            parts.append(Chunk(c.row, best, c.end, c.is_last, c.shared))
         it.prefills[at:at + 1] = parts
         it.seeds[r] = [c.row, best, best]
     elif cached > 0:
@@ -323,98 +322,3 @@ def step_record(token: int, vec: np.ndarray, geo=None) -> dict:
     top = np.argsort(-vec, kind="stable")[:TOPK]
     return {"t": int(token), "h": hashlib.sha256(vec.tobytes()).hexdigest(),
             "top": [[int(i), float(vec[i])] for i in top], "g": list(geo) if geo is not None else None}
-
-
-# ---- deterministic case generation -----------------------------------------------------------
-def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return rng.integers(3, vocab, size=n).tolist()
-
-
-def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: int = 8192,
-              window: int = 64) -> Case:
-    """Build one case; ``seed`` and the names fix every prompt id."""
-    if case not in CASES:
-        raise ValueError(f"unknown case {case!r}; cases: {', '.join(CASES)}")
-    h = int(hashlib.sha256(f"{model}|{case}|{b}|{seed}".encode()).hexdigest()[:8], 16)
-    rng = np.random.default_rng(h)
-    rows: list[RowSpec] = []
-    chunk, join_full = 2048, "extend"
-    if case == "static":  # B rows admitted together, one shared prefill iteration
-        rows = [RowSpec(_prompt(rng, int(rng.integers(8, 40)), vocab), 10, 0) for _ in range(b)]
-    elif case == "join":  # staggered joins mid-decode
-        rows = [RowSpec(_prompt(rng, int(rng.integers(6, 48)), vocab), 12, 3 * i) for i in range(b)]
-    elif case == "leave":  # different retirements (row 0 first), survivors continue; one row waits for a slot
-        # row 0 is the longest and retires first: the survivors share left padding that filter must trim
-        n = b + 1
-        # from three rows on, row 1 ends at token 0: it leaves its cohort before the cohort joins
-        lens = [48] + [int(rng.integers(8, 32)) for _ in range(n - 1)]
-        mts = [1 if (i == 1 and n >= 3) else 3 + 3 * i for i in range(n)]
-        rows = [RowSpec(_prompt(rng, L, vocab), mts[i], 0) for i, L in enumerate(lens)]
-    elif case in ("extend", "merge"):
-        # joiners alternately longer and shorter than the batch (padding on either side), chunked prefill
-        chunk, join_full = 16, case
-        lens = [24, 60, 9, 41][:b] if b <= 4 else [int(rng.integers(6, 64)) for _ in range(b)]
-        rows = [RowSpec(_prompt(rng, L, vocab), 10, 2 * i) for i, L in enumerate(lens)]
-    elif case == "burst":  # B whole prompts at an idle engine: more than one chunk, within the idle burst
-        chunk = 16
-        rows = [RowSpec(_prompt(rng, int(rng.integers(10, 17)), vocab), 6 + 2 * i, 0) for i in range(b)]
-    elif case == "ring":  # prompts past the window; the last row starts beyond it and joins late
-        chunk = 32
-        rows = [RowSpec(_prompt(rng, window + 6 + 11 * i, vocab), 14, 2 * i) for i in range(b - 1)]
-        rows.append(RowSpec(_prompt(rng, window + 37, vocab), 8, 12 if b > 1 else 0))
-    elif case == "ssm":  # recurrent state through joins and retirements
-        chunk = 16
-        rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 14 - 3 * i, 2 * i) for i in range(b)]
-    elif case == "latent":  # MLA latent cache through joins and retirements
-        chunk = 16
-        rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 8 + 2 * ((i + 1) % 3), 3 * i) for i in range(b)]
-    elif case == "prefix":
-        return _prefix_case(model, dtype, b, seed, rng, vocab)
-    return Case(model, dtype, case, b, seed, rows, chunk, join_full)
-
-
-def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> Case:
-    """Prompt-cache reuse: a multi-turn chain (turn 2 extends turn 1's prompt + output, turn 3 extends
-    turn 2's after every snapshot went through the SSD tier and spans two chunks), then a burst of
-    B rows sharing a 40-token prefix (one leader prefills it, the others start from its snapshot and
-    prefill their suffixes as one cohort), then turn 1's prompt again, a new turn 2 and the last burst
-    row's prompt again together (cached prefixes of different lengths: a left-padded cohort from
-    B=2 on; the repeat hits the body snapshot its cohort took)."""
-    firsts = rng.choice(np.arange(3, vocab), size=2 + b, replace=False).tolist()  # distinct first tokens
-
-    def fresh(first, n):
-        return [first] + _prompt(rng, n - 1, vocab)
-
-    p0 = fresh(firsts[0], 40)
-    shared = fresh(firsts[1], 40)
-    rows = [RowSpec(p0, 6, 0)]
-    links: dict = {}
-    c = Case(model, dtype, "prefix", b, seed, rows, 64, "extend",
-             prefix={"trimmable": PREFIX_TRIMMABLE[model.split("@")[0]], "links": links})
-
-    def after_all():  # the iteration after every row so far has finished
-        return len(plan(c))
-
-    rows.append(RowSpec(_prompt(rng, 8, vocab), 5, after_all()))
-    links["1"] = {"base": 0, "ssd": False}
-    rows.append(RowSpec(_prompt(rng, 30, vocab), 5, after_all()))
-    links["2"] = {"base": 1, "ssd": True}
-    start = after_all()
-    for i in range(b):
-        rows.append(RowSpec(shared + [firsts[2 + i]] + _prompt(rng, 5 + 3 * i, vocab), 6 + i, start))
-    after = after_all()
-    rows.append(RowSpec(list(p0), 4, after))  # turn 1 again: a trimmed (or exact body) snapshot
-    rows.append(RowSpec(_prompt(rng, 5, vocab), 5, after))  # turn 2 again, another question
-    links[str(len(rows) - 1)] = {"base": 0, "ssd": False}
-    rows.append(RowSpec(list(rows[2 + b].prompt), 3, after))  # the last burst row again: its body snapshot
-    plan(c)  # raises if any lookup were ambiguous
-    return c
-
-
-def cases_for(model: str, dtype: str, bs, names=None, seed: int = 0, vocab: int = 8192, window: int = 64):
-    names = names or CASES
-    for name in names:
-        if not applies(name, model):
-            continue
-        for b in bs:
-            yield make_case(model, dtype, name, b, seed, vocab, window)

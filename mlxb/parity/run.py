@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Optional
 from mlxb.errors import ValidationError
 from mlxb.parity import goldens
 from mlxb.parity.compare import CaseResult, compare
-from mlxb.parity.protocol import CASES, Case, applies, make_case
+from mlxb.parity.cases import make_case
+from mlxb.parity.protocol import CASES, Case, applies
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 

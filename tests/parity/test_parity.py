@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxb.parity.protocol import Case, RowSpec, make_case, plan
+from mlxb.parity.cases import make_case
+from mlxb.parity.protocol import Case, RowSpec, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.parity
