@@ -30,6 +30,7 @@ def serve(
     prompt_cache_size: Optional[int] = typer.Option(None, "--prompt-cache-size", min=1, help="Most RAM entries (default: no count cap, bytes decide)."),
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="SSD tier folder (default: $MLXB_HOME/prompt-cache)."),
     prompt_cache_disk_bytes: Optional[str] = typer.Option(None, "--prompt-cache-disk-bytes", help="SSD tier cap, e.g. 20GB (default 8GiB; 0 turns the SSD tier off)."),
+    cudnn_attention: Optional[bool] = typer.Option(None, "--cudnn-attention/--no-cudnn-attention", help="CUDA only: prefill attention through cuDNN graphs (built once per new shape, ~1 s each on an H200) or MLX's own kernels. Default: MLX's own, unless MLX_CUDA_USE_CUDNN_SDPA is set."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -46,14 +47,15 @@ def serve(
                            max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template,
                            warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
-                           prompt_cache_disk_bytes=pc_disk)
+                           prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
     console.print(f"[bold green]mlxb serve[/] http://{host}:{port}/v1  model={gw.model_name}"
                   f"{' (synthetic, random weights)' if gw.spec.synthetic else ''}  device={mx.default_device()}  "
                   f"mode={gw.engine.mode} (batch {batch})"
-                  + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else ""))
+                  + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else "")
+                  + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}"))
     pc = gw.engine.prompt_cache
     if pc is None:
         console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))

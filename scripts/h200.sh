@@ -42,10 +42,21 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --output-len 128 --repeats 2 --ttft-threshold 2.0 2>&1 | tail -20
     mlxb report reports/results --out "$OUT/serve-h200.html" && mlxb report reports/results --out "$OUT/serve-h200.md"
     tar czf "$OUT/serve-results.tgz" reports/results ;;
+  shapes)  # what a forward at a never-seen shape costs, with and without cuDNN attention graphs
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    for v in 1 0; do echo "MLX_CUDA_USE_CUDNN_SDPA=$v"
+      MLX_CUDA_USE_CUDNN_SDPA=$v python3 scripts/shape_cost.py /var/tmp/$m --out "$OUT/shapes-cudnn$v.json" 2>&1 | grep -v Warning
+    done ;;
+  cohort)  # where a cached cohort's iteration goes (each piece synchronized and timed)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    python3 scripts/cohort_cost.py /var/tmp/$m --rows ${ROWS:-7,13,18,13,18} --out "$OUT/cohort-$m.json" 2>&1 | grep -v Warning ;;
   agents)  # prompt cache: agents sharing a 2k-token system prompt, mlxb serve vs mlx_lm.server, 8 and 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     mkdir -p /tmp/bench && cd /tmp/bench
+    export MLXB_TRACE=${MLXB_TRACE:-$OUT/trace-agents.jsonl}  # mlxb serve's per-iteration trace
     mlxb bench load -m /var/tmp/$m --peer mlx-lm --batch 64 --dataset shared-prefix --system-len 2048 \
       --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-32} --output-len 128 --repeats ${REPEATS:-2} --ttft-threshold 2.0 2>&1 | tail -24
     mlxb report reports/results --out "$OUT/agents-h200.html" && mlxb report reports/results --out "$OUT/agents-h200.md"

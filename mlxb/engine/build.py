@@ -49,12 +49,37 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
                        disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes)
 
 
+CUDNN_SDPA_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
+def choose_attention_kernels(cudnn: Optional[bool] = None) -> str:
+    """On CUDA, MLX runs prefill attention through cuDNN graphs that it builds once per (shape,
+    strides, mask) key: 0.7-1.0 s for each never-seen key on an H200 (scripts/shape_cost.py), and
+    a server's cohorts, tails and cached contexts are new shapes all the time. MLX's own attention
+    path costs nothing per shape (same speed for a 2k solo prefill, 10-20% slower on small padded
+    cohorts), so a server turns cuDNN attention off unless asked (``cudnn=True``) or the user set
+    the variable. Backend-neutral: elsewhere the variable means nothing. Returns what is in effect."""
+    import os
+
+    import mlx.core as mx
+
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return "n/a (not CUDA)"
+    if cudnn is None:
+        if CUDNN_SDPA_ENV in os.environ:
+            return f"{CUDNN_SDPA_ENV}={os.environ[CUDNN_SDPA_ENV]} (from the environment)"
+        cudnn = False
+    os.environ[CUDNN_SDPA_ENV] = "1" if cudnn else "0"
+    return f"{CUDNN_SDPA_ENV}={os.environ[CUDNN_SDPA_ENV]}"
+
+
 def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, batch: int = 8,
                   prefill_chunk: int = 2048, kv_budget: Optional[int] = None, default_max_tokens: int = 512,
                   chat_template: Optional[str] = None, warmup: bool = True, prompt_cache: bool = True,
                   prompt_cache_bytes: Optional[int] = None, prompt_cache_size: Optional[int] = None,
                   prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: Optional[int] = None,
-                  **engine_kw) -> Gateway:
+                  cudnn_attention: Optional[bool] = None, **engine_kw) -> Gateway:
+    attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     m, tok, spec, path = load_model(model, dtype)
     engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
                     context_limit=context_limit(m), **engine_kw)
@@ -65,5 +90,6 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.start()
     gw = Gateway(engine, tok, model_name=spec.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
     gw.spec, gw.path = spec, path
+    engine.attention_kernels = attention
     freeze_heap()
     return gw

@@ -26,8 +26,18 @@ from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
 from mlxb.engine.serial import run_serial
 from mlxb.engine.stream import OutputStream, Outbox
+from mlxb.engine.trace import IterationTrace
 from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
+
+
+MAX_REQUEUES = 2  # out-of-memory prefills a request may retry before it fails
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """MLX raises RuntimeError with the allocator's message ("out of memory", cudaMalloc...)."""
+    msg = str(e).lower()
+    return "out of memory" in msg or "outofmemory" in msg or "insufficient memory" in msg
 
 
 def freeze_heap() -> None:
@@ -84,7 +94,9 @@ class Engine:
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._serial: deque[Live] = deque()
-        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0}
+        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0,
+                         "requeued": 0}
+        self._requeued_this_iteration = False
         self.delivery = Delivery(self.eos_ids, self.counters)
         self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token
         self._live: dict[str, Live] = self.delivery.live  # the same dict: the engine admits, delivery retires
@@ -92,7 +104,9 @@ class Engine:
         self.fatal: Optional[BaseException] = None
         self.last_beat = time.monotonic()
         self.warmup: Optional[dict] = None  # what mlxb.engine.warmup ran before start, if it ran
+        self.attention_kernels = "default"  # set by build_gateway (mlxb.engine.build.choose_attention_kernels)
         self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
+        self.trace = IterationTrace()  # MLXB_TRACE=FILE: one JSON line per iteration (diagnostics)
         self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
 
     # ---- caller side -----------------------------------------------------------------------
@@ -148,6 +162,7 @@ class Engine:
             "kv_projected_bytes": s.used_bytes,
             "kv_budget_bytes": s.kv_budget,
             **self.counters,
+            "attention_kernels": self.attention_kernels,
             "step_timing": self.step_timing(),
             "prompt_cache": self.prompt_cache_stats(),
         }
@@ -185,9 +200,15 @@ class Engine:
 
     def _loop_body(self) -> None:
         try:
+            was_busy = False
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
-                busy = self.scheduler.has_work() or (self._serial and self.scheduler.is_idle)
+                busy = bool(self.scheduler.has_work() or (self._serial and self.scheduler.is_idle))
+                if was_busy and not busy and not self.scheduler.waiting:
+                    # NOTE: idle now: hand MLX's cached free buffers back to the device (nothing waits
+                    # on it), so another process on the same device, or the next burst, finds it free
+                    mx.clear_cache()
+                was_busy = busy
                 self._drain_inbox(block=not busy)
                 self.iterate()
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
@@ -217,11 +238,15 @@ class Engine:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return None
+            t0 = time.perf_counter()
+            self.trace.begin()
             with self.device_lock:
                 try:
                     self._iteration(out)
                 finally:
                     self.reuse.end_iteration()
+            if self.trace.on:
+                self.trace.record(out, t0, len(self.runner.rows), len(self.scheduler.waiting))
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made
@@ -258,6 +283,7 @@ class Engine:
         live = Live(req, stream, detok)
         self._live[req.request_id] = live
         self.counters["requests"] += 1
+        self.trace.event("submit", prompt=req.num_prompt_tokens, made=self.trace.since_start(req.timings.submitted))
         if req.mechanism == "serial":
             req.status = RequestStatus.SERIAL
             self._serial.append(live)
@@ -287,6 +313,7 @@ class Engine:
 
     def _iteration(self, out) -> None:
         s, r = self.scheduler, self.runner
+        self._requeued_this_iteration = False
         for rid in out.admitted:
             live = self._live[rid]
             live.req.timings.admitted = time.perf_counter()
@@ -294,6 +321,9 @@ class Engine:
         t_prefill = time.perf_counter()
         cohort = out.cohort
         for chunk in out.prefills:
+            live = self._live.get(chunk.request_id)
+            if live is None or live.req.status is not RequestStatus.PREFILLING:
+                continue  # failed or requeued earlier in this iteration (a split leader's second chunk)
             if chunk in cohort:
                 if chunk is cohort[0]:
                     self._prefill_cohort(cohort)
@@ -307,6 +337,7 @@ class Engine:
                 self.last_forward = [row.req.request_id for row in r.rows]
             try:
                 emitted = r.decode_step()
+                self.trace.mark("decode")
             except Exception as e:  # cannot be attributed to a row: the whole batch fails
                 failed = [row.req.request_id for row in r.rows]
                 r.drop_all()
@@ -332,7 +363,28 @@ class Engine:
                 r.filter(keep)
                 for rid, status in done.items():
                     s.on_finished(rid, status)
+                self.trace.mark("retire")
             r.timing["deliver_s"] += time.perf_counter() - t_deliver
+
+    def _prefill_failed(self, failed: list, e: Exception) -> None:
+        """Out of device memory (often transient: cached prefixes, allocator buffers, or another
+        process on the device): free what the engine holds and put the rows back at the head of
+        the queue, up to ``MAX_REQUEUES`` times each, instead of failing them. Rows of the same
+        iteration that fail after it (a follower whose leader was requeued) go back too. Any other
+        error fails only these rows."""
+        oom = is_out_of_memory(e) or self._requeued_this_iteration
+        if not self._requeued_this_iteration:
+            self.reuse.after_device_error(e)  # evicts the RAM tier on memory errors, clears MLX's cache
+        for chunk, live in failed:
+            if oom and live.req.requeues < MAX_REQUEUES:
+                live.req.requeues += 1
+                live.row = None
+                self.scheduler.requeue(chunk.request_id)
+                self.counters["requeued"] += 1
+                self._requeued_this_iteration = True
+                continue
+            self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
+            self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
 
     def _prefill(self, chunk) -> None:
         live = self._live[chunk.request_id]
@@ -343,21 +395,23 @@ class Engine:
                     row.solo = self.reuse.seed(row.req, chunk.start)
                 row.seeded = True
             self.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
+            self.trace.mark("chunk")
             self.scheduler.on_prefill_chunk(chunk)
             self.reuse.boundary_snapshot(row, chunk)
+            self.trace.mark("snapshot")
             if not chunk.is_last:
                 return
             em = self.runner.first_token(row)
-        except Exception as e:  # a prefill error rejects only the joiner
-            self.reuse.after_device_error(e)
-            self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
-            self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+            self.trace.mark("token0")
+        except Exception as e:  # a prefill error rejects only the joiner (or requeues it: memory)
+            self._prefill_failed([(chunk, live)], e)
             return
         live.req.timings.prefill_done = time.perf_counter()
         status = self.delivery.deliver(em)
         if status is None:
             self.runner.join(row, em.token)
             self.scheduler.on_joined(chunk.request_id)
+            self.trace.mark("join")
         else:  # finished at token 0: never joins
             if self.reuse.keeps(row.req, status):
                 self.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
@@ -371,12 +425,11 @@ class Engine:
                 if c.start > 0:  # starts from a cached prefix
                     row.solo = self.reuse.seed(row.req, c.start)
                 row.seeded = True
+            self.trace.mark("seed")
             caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks], self.reuse.cohort_snapshot(rows))
-        except Exception as e:  # a prefill error rejects only the joiners
-            self.reuse.after_device_error(e)
-            for c, lv in zip(chunks, lives):
-                self.scheduler.on_finished(c.request_id, RequestStatus.FINISHED_ERROR)
-                self.delivery.finish(lv, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+            self.trace.mark("cohort")
+        except Exception as e:  # a prefill error rejects only the joiners (or requeues them: memory)
+            self._prefill_failed(list(zip(chunks, lives)), e)
             return
         keep, tokens, ended = [], [], {}
         now = time.perf_counter()
@@ -390,6 +443,7 @@ class Engine:
             else:
                 ended[c.request_id] = status
         self.runner.join_cohort(caches, rows, tokens, keep)
+        self.trace.mark("join")
         for i, c in enumerate(chunks):
             if i in keep:
                 self.scheduler.on_joined(c.request_id)

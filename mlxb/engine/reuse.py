@@ -19,6 +19,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.cache.prefix import PrefixMatch
+from mlxb.engine.runner import trim_allocator_cache
 from mlxb.request import Request, RequestStatus
 
 
@@ -145,7 +146,7 @@ class PrefixReuse:
             end = min(pos + eng.prefill_chunk, body)
             eng.model(mx.array(ids[pos:end])[None], cache=cache)
             mx.eval([c.state for c in cache])
-            mx.clear_cache()
+            trim_allocator_cache()
             pos = end
             if not pc.trimmable or pos == body:
                 pc.put(ids[:pos], cache)

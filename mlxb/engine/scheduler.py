@@ -219,6 +219,16 @@ class Scheduler:
         req.status = status
         return req
 
+    def requeue(self, request_id: str) -> Request:
+        """A prefilling request goes back to the head of the queue (its prefill ran out of device
+        memory; the engine freed what it could): admitted again from scratch, cache lookup included."""
+        req = self._take_prefilling(request_id)
+        assert req is not None, request_id
+        self._projected.pop(request_id, None)
+        req.status, req.cached_tokens = RequestStatus.WAITING, 0
+        self.waiting.appendleft(req)
+        return req
+
     def fail_all_running(self) -> list[Request]:
         """A device error cannot be attributed to a row: every running row fails (prefill too)."""
         failed = list(self.running) + list(self.prefilling)
@@ -242,9 +252,19 @@ class Scheduler:
 
 
 def common_prefix(a, b, limit: int) -> int:
-    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``. Slice comparisons run in C
+    (a burst of 18 followers of a 2k-token prefix compared token by token in Python took ~40 ms of
+    an iteration on this CPU); the bisection keeps it exact."""
     n = min(limit, len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if n <= 0:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -134,3 +134,29 @@ def test_full_extend_pads_only_the_shorter_side():
     batch = ops.join(batch, kv_solo(1, 4), "extend")
     assert batch.left_padding.tolist() == [0, 5]
     assert batch.offset.tolist() == [9, 4]
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 12, 7], [6, 6, 6], [0, 4, 9], [11]])
+def test_full_merge_and_cohort_roll_equal_mlx_lm_bit_for_bit(lengths):
+    """The batch cache's own merge / right-padded cohort step / finalize (contiguous copies only)
+    give exactly mlx-lm's BatchKVCache arrays, offsets and paddings."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxb.cache.protocol import AlignedBatchKVCache
+
+    def run(cls):
+        c = cls.merge([kv_solo(r, n) for r, n in enumerate(lengths)])
+        suffix = [3 + (r * 5) % 7 for r in range(len(lengths))]  # right-padded suffixes of unequal length
+        width = max(suffix)
+        c.prepare(lengths=suffix, right_padding=[width - n for n in suffix])
+        k = mx.arange(len(lengths) * H * width * D, dtype=mx.float32).reshape(len(lengths), H, width, D)
+        c.update_and_fetch(k, -k)
+        c.finalize()
+        return c
+
+    ours, ref = run(AlignedBatchKVCache), run(BatchKVCache)
+    assert type(ours) is AlignedBatchKVCache
+    for a in ("keys", "values", "offset", "left_padding"):
+        x, y = getattr(ours, a), getattr(ref, a)
+        assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y).item(), a
+    assert ours._idx == ref._idx

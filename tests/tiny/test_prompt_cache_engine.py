@@ -96,6 +96,8 @@ def test_a_row_ending_at_token_zero_keeps_the_engine_alive(cache, tiny_models, t
 
 
 def test_memory_pressure_and_an_out_of_memory_prefill_give_cache_memory_back(tiny_models):
+    from mlxb.engine.engine import MAX_REQUEUES
+
     model, tok, _, _ = tiny_models("tiny-llama")
     eng = Engine(model, tok, max_batch=4)
     pc = PromptCache(model, eng.kinds, max_bytes=1 << 30)
@@ -106,26 +108,85 @@ def test_memory_pressure_and_an_out_of_memory_prefill_give_cache_memory_back(tin
         r = Request(rid, prompt, 3)
         st = OutputStream(r.request_id)
         eng.submit(r, st)
-        return list(st)[-1]
+        recs = list(st)
+        return recs[-1], [o.token for o in recs if o.token is not None]
 
+    real = eng.runner.prefill_chunk
+
+    def failing(times, message):
+        left = [times]
+
+        def chunk(*a, **k):
+            if left[0] > 0:
+                left[0] -= 1
+                raise RuntimeError(message)
+            return real(*a, **k)
+        return chunk
+
+    oom = "cudaMallocAsync(&data, size, stream) failed: out of memory"
     try:
-        assert ask("a", list(range(10, 80))).error is None and pc.nbytes > 0
-        real = eng.runner.prefill_chunk
-
-        def oom(*a, **k):
-            eng.runner.prefill_chunk = real
-            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
-
-        eng.runner.prefill_chunk = oom
-        failed = ask("b", list(range(100, 170)))
-        assert failed.error is not None and "out of memory" in str(failed.error)
-        assert pc.nbytes == 0 and pc.ram.num_evictions > 0  # the cache gave its memory back
-        assert ask("c", list(range(200, 270))).error is None and eng.alive
+        assert ask("a", list(range(10, 80)))[0].error is None and pc.nbytes > 0
+        want = ask("ref", list(range(100, 170)))[1]
+        pc.evict(pc.nbytes)
+        assert ask("a2", list(range(10, 80)))[0].error is None and pc.nbytes > 0
+        # a transient out-of-memory prefill: the cache gives its memory back, the row is requeued and
+        # then runs from scratch to the same tokens
+        eng.runner.prefill_chunk = failing(1, oom)
+        last, toks = ask("b", list(range(100, 170)))
+        assert last.error is None and toks == want
+        assert eng.counters["requeued"] == 1
+        assert pc.ram.num_evictions > 0  # the cache gave its memory back
+        # out of memory every time: requeued MAX_REQUEUES times, then failed with the allocator's message
+        eng.runner.prefill_chunk = failing(MAX_REQUEUES + 1, oom)
+        last, _ = ask("c", list(range(200, 270)))
+        assert last.error is not None and "out of memory" in str(last.error)
+        assert eng.counters["requeued"] == 1 + MAX_REQUEUES
+        # any other prefill error fails the row at once, never requeued
+        eng.runner.prefill_chunk = failing(1, "some other failure")
+        last, _ = ask("d", list(range(300, 370)))
+        assert last.error is not None and "some other failure" in str(last.error)
+        assert eng.counters["requeued"] == 1 + MAX_REQUEUES
+        eng.runner.prefill_chunk = real
+        assert ask("e", list(range(400, 470)))[0].error is None and eng.alive
         pc.memory_limit = 0  # any device memory in use is now over the limit: inserts are evicted again
-        assert ask("d", list(range(300, 370))).error is None
+        assert ask("f", list(range(500, 570)))[0].error is None
         assert pc.nbytes == 0 and pc.stats()["memory_pressure_evictions"] > 0
     finally:
         eng.shutdown()
+
+
+def test_a_burst_whose_leader_runs_out_of_memory_is_requeued_whole(tiny_models):
+    """The shared leader's chunk fails for memory: its followers (seeded from the leader's snapshot in
+    the same iteration) go back to the queue too, and every row ends with its undisturbed tokens."""
+    model, tok, _, _ = tiny_models("tiny-llama")
+    users = waves(4)[0]
+
+    def run(fail):
+        eng = Engine(model, tok, max_batch=4, prefill_chunk=48)
+        eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+        real, left = eng.runner.prefill_chunk, [1 if fail else 0]
+
+        def chunk(*a, **k):
+            if left[0] and eng.scheduler.num_shared:  # the burst's split leader
+                left[0] = 0
+                raise RuntimeError("[metal::malloc] Resource limit exceeded: out of memory")
+            return real(*a, **k)
+        eng.runner.prefill_chunk = chunk
+        streams = []
+        for i, p in enumerate(users):
+            r = Request(f"u{i}", p, 6)
+            streams.append(OutputStream(r.request_id))
+            eng.accept(r, streams[-1])
+        while eng._live:
+            eng.iterate()
+        recs = [list(st) for st in streams]
+        assert all(rs[-1].error is None for rs in recs), [rs[-1].error for rs in recs]
+        return [[o.token for o in rs if o.token is not None] for rs in recs], eng
+
+    want, _ = run(False)
+    got, eng = run(True)
+    assert got == want
+    assert eng.counters["requeued"] >= 2  # the leader and at least one follower went back
 
 
 def test_seeded_sampling_and_logprobs_are_the_same_with_the_cache(tiny_models):

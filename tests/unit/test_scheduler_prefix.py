@@ -75,6 +75,20 @@ def test_common_prefix():
     assert common_prefix([], [1], 5) == 0
 
 
+def test_common_prefix_bisection_equals_a_token_walk():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        a = [rng.randint(0, 2) for _ in range(rng.randint(0, 40))]
+        b = a[:rng.randint(0, len(a))] + [rng.randint(0, 2) for _ in range(rng.randint(0, 6))]
+        limit = rng.randint(0, 50)
+        n, i = min(limit, len(a), len(b)), 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        assert common_prefix(a, b, limit) == i, (a, b, limit)
+
+
 def test_cached_rows_form_a_cohort_and_a_lone_joiner_restarts_it():
     from mlxb.engine.outputs import PrefillChunk as C, SchedulerOutput
 

@@ -1,0 +1,63 @@
+"""Optional per-iteration trace (JSON lines) for diagnosing latency: what ran and how long it took.
+
+Off unless ``MLXB_TRACE=FILE`` is set in the server's environment (or a path is given). One line
+per iteration: seconds since start, wall ms of the iteration, the prefill chunks (start, end,
+shared, cohort), rows decoded, the queue, and MLX's active/peak memory. Appending a line costs
+microseconds; the iteration's own work already synchronizes with the device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+import mlx.core as mx
+
+
+class IterationTrace:
+    def __init__(self, path: Optional[str] = None):
+        path = path or os.environ.get("MLXB_TRACE")
+        self._f = open(path, "a", buffering=1) if path else None
+        self._t0 = time.perf_counter()
+
+    @property
+    def on(self) -> bool:
+        return self._f is not None
+
+    def begin(self) -> None:
+        self._phases: list = []
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        """Close a phase of the current iteration (host wall time since the previous mark)."""
+        if self._f is not None:
+            now = time.perf_counter()
+            self._phases.append([name, round(1000 * (now - self._last), 2)])
+            self._last = now
+
+    def record(self, out, t_start: float, rows: int, waiting: int) -> None:
+        if self._f is None:
+            return
+        cohort = set(id(c) for c in out.cohort)
+        now = time.perf_counter()
+        self._f.write(json.dumps({
+            "t": round(t_start - self._t0, 4), "ms": round(1000 * (now - t_start), 2),
+            "admitted": len(out.admitted),
+            "prefills": [[c.start, c.end, int(c.shared), int(id(c) in cohort)] for c in out.prefills],
+            "rows": rows, "waiting": waiting, "phases": self._phases,
+            "active_mb": round(mx.get_active_memory() / 1e6), "peak_mb": round(mx.get_peak_memory() / 1e6),
+        }) + "\n")
+
+    def since_start(self, t: float) -> float:
+        return round(t - self._t0, 4)
+
+    def event(self, name: str, **kw) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"t": round(time.perf_counter() - self._t0, 4), "event": name, **kw}) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
