@@ -56,6 +56,10 @@ def serve(
                   f"mode={gw.engine.mode} (batch {batch})"
                   + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else "")
                   + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}"))
+    tf = gw.tool_format
+    console.print(f"tool calls: parsed with mlx-lm's {tf.name} parser ({tf.start} ... {tf.end})" if tf.on else
+                  "tool calls: off for this model (its chat template has no format mlx-lm knows); tools are still "
+                  "rendered and calls come back as text")
     pc = gw.engine.prompt_cache
     if pc is None:
         console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))

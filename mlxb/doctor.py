@@ -162,7 +162,7 @@ def report(measure: bool = True) -> dict:
     if facts["blas"] == "netlib":
         candidate = next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
         if candidate and os.environ.get("MLXB_BLAS_PRELOAD") == "0":
-            advice.append(f"OpenBLAS is installed but MLXB_BLAS_PRELOAD=0 keeps the slow netlib BLAS; unset it.")
+            advice.append("OpenBLAS is installed but MLXB_BLAS_PRELOAD=0 keeps the slow netlib BLAS; unset it.")
         elif candidate:
             advice.append(f"netlib BLAS is loaded although OpenBLAS is installed; run through the `mlxb` CLI, or set LD_PRELOAD={candidate}")
         else:

@@ -109,6 +109,7 @@ class Request:
     mechanism: str = "continuous"  # "serial" | "continuous"
     num_generated: int = 0
     cached_tokens: int = 0
+    constraint: Any = None  # mlxb.engine.grammar.Constraint: this row's grammar matcher (structured outputs)
     requeues: int = 0  # times its prefill ran out of device memory and it went back to the queue
     timings: Timings = field(default_factory=Timings)
     error: Optional[str] = None

@@ -160,7 +160,7 @@ def requests(ps, gen, prefix, put) -> list[OutputStream]:
 def direct(model, tok, ps, gen, chunk, keep_caches=False):
     eng = Engine(model, tok, max_batch=len(ps), prefill_chunk=chunk)
     requests(ps, gen, "d", eng.accept)
-    stamps, joined_at = [], None
+    stamps = []
     eng.runner.timing.clear()
     while eng.scheduler.has_work():
         out = eng.iterate()

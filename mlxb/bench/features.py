@@ -44,24 +44,44 @@ def dataset_for(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: i
     return L.mixed_dataset(tokenizer, n, ln["short_len"], ln["long_len"], cell.output_len, vocab, seed, extra)
 
 
+def _schema_valid(cell: Cell, text: str) -> bool:
+    import json
+
+    import jsonschema
+
+    schema = ((cell.params.get("response_format") or {}).get("json_schema") or {}).get("schema", {"type": "object"})
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
 def gate_results(cell: Cell, results: list[L.RequestResult]) -> dict:
     out = {}
     ok = [r for r in results if r.ok]
     for g in cell.gates:
         if g == "top_logprobs_5":
             out[g] = bool(ok) and all(r.logprob_tokens > 0 and (r.min_top_logprobs or 0) >= 5 for r in ok)
+        elif g == "json_schema_valid":  # every reply parses and validates against the cell's schema
+            out[g] = bool(ok) and all(_schema_valid(cell, r.text) for r in ok)
     return out
 
 
-async def _probe(t: Target, ds: L.Dataset) -> Optional[str]:
-    """None if the stack serves one short request of this cell; else the reason it cannot."""
+async def _probe(t: Target, ds: L.Dataset, cell: Optional[Cell] = None) -> Optional[str]:
+    """None if the stack serves one short request of this cell; else the reason it cannot. A cell whose
+    gate checks the reply itself (``json_schema_valid``) probes with a whole reply: a server that ignores
+    the field (200, free text) is unsupported, not a failed gate."""
     first = ds.payloads[0] if ds.payloads else {**ds.conversations[0]["extra"], "messages": ds.conversations[0]["messages"]}
-    probe = L.Dataset(ds.name, [dict(first, max_tokens=2)])
+    whole = cell is not None and "json_schema_valid" in cell.gates
+    probe = L.Dataset(ds.name, [dict(first, max_tokens=cell.output_len if whole else 2)])
     res = await L.run_load(t.base_url, t.model, probe, concurrency=1, n_requests=1)
     r = res[0]
-    if r.ok:
-        return None
-    return r.error or "failed"
+    if not r.ok:
+        return r.error or "failed"
+    if whole and not _schema_valid(cell, r.text):
+        return f"ignores response_format: the reply is not schema-valid JSON ({r.text[:60]!r})"
+    return None
 
 
 def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, scale: float = 1.0,
@@ -90,7 +110,7 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                     if t.stack not in probed:
                         probed.add(t.stack)
                         # the probe uses its own prompts so it warms no cache the measured load uses
-                        reason = asyncio.run(_probe(t, dataset_for(cell, tokenizer, 1, vocab, scale, seed + 999_983)))
+                        reason = asyncio.run(_probe(t, dataset_for(cell, tokenizer, 1, vocab, scale, seed + 999_983), cell))
                         if reason:
                             unsupported[t.stack] = reason
                     if t.stack in unsupported:

@@ -12,7 +12,7 @@ from mlxb.errors import ValidationError
 
 DATASETS = {"random": {"input_len"}, "shared-prefix": {"system_len", "question_len"},
             "mixed": {"short_len", "long_len"}, "multi-turn": {"system_len", "turn_len"}}
-GATES = {"top_logprobs_5"}
+GATES = {"top_logprobs_5", "json_schema_valid"}
 CELL_KEYS = {"name", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
              "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups",
              "turn_len", "turns"}

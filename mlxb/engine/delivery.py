@@ -51,7 +51,7 @@ class Delivery:
         if req.timings.first_token is None:
             req.timings.first_token = time.perf_counter()
         self.counters["tokens"] += 1
-        if em.token in self.eos_ids and not req.ignore_eos:
+        if em.token in self.eos_ids and (not req.ignore_eos or em.grammar_done):
             last = None
             if not live.defer_text:  # flush what the detokenizer and the stop matcher still hold
                 live.detok.finalize()
@@ -60,6 +60,8 @@ class Delivery:
             return self.finish(live, RequestStatus.FINISHED_STOPPED, last=last)
         req.num_generated += 1
         status = RequestStatus.FINISHED_LENGTH if req.num_generated >= req.max_tokens else None
+        if em.grammar_done:  # the grammar is complete: nothing may follow (ignore_eos included)
+            status = RequestStatus.FINISHED_STOPPED
         text = None  # deferred: the consumer makes the text
         if not live.defer_text:
             live.detok.add_token(em.token)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from mlxb.engine.engine import Engine
+from mlxb.engine.tools import ToolFormat, constraint_grammar, normalize_messages, tool_choice_mode, validate_tools
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import ValidationError
 from mlxb.request import Request, SamplingParams
@@ -37,6 +39,10 @@ class GenerationInput:
     request_id: Optional[str] = None
     ignore_eos: bool = False  # vLLM's extension: decode exactly max_tokens (benchmarks)
     cache_prompt: bool = True  # llama.cpp's field: False = this request neither reuses nor stores a prefix
+    tools: Optional[list[dict]] = None  # OpenAI function tools: rendered by the chat template
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: Optional[dict] = None  # vLLM's extension: one of json / regex / grammar / choice
 
 
 class Gateway:
@@ -47,6 +53,24 @@ class Gateway:
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
         self.vocab_size = _vocab_size(engine.model, tokenizer)
+        self.tool_format = ToolFormat.of(tokenizer)
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self):
+        """llguidance over this model's tokenizer, built on first use (about a second) and kept."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from mlxb.engine.grammar import Grammars
+
+                try:
+                    self._grammars = Grammars(self.tokenizer, self.vocab_size,
+                                              sorted(getattr(self.tokenizer, "eos_token_ids", []) or []))
+                except ImportError:
+                    raise ValidationError("structured outputs need the llguidance package (pip install llguidance)",
+                                          param="response_format") from None
+            return self._grammars
 
     # ---- validation ------------------------------------------------------------------------
     def validate_sampling(self, p: SamplingParams) -> None:
@@ -103,23 +127,13 @@ class Gateway:
                 raise ValidationError("prompt must be a string", param="prompt")
             ids = self.tokenizer.encode(inp.prompt)
         else:
-            msgs = inp.messages
-            if not isinstance(msgs, list) or not msgs:
-                raise ValidationError("messages must be a non-empty list", param="messages")
-            for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise ValidationError(f"messages[{i}] needs a string 'role'", param=f"messages[{i}].role")
-                if not isinstance(m.get("content", ""), (str, list)) and m.get("content") is not None:
-                    raise ValidationError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-                if isinstance(m.get("content"), list):
-                    parts = m["content"]
-                    if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
-                        raise ValidationError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
-                    m = dict(m, content="".join(p.get("text", "") for p in parts))
-                    msgs[i] = m
+            msgs = normalize_messages(inp.messages)
             kwargs = dict(inp.chat_template_kwargs or {})
             if self.chat_template:
                 kwargs["chat_template"] = self.chat_template
+            tools = validate_tools(inp.tools)
+            if tools:
+                kwargs["tools"] = tools
             try:
                 ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
             except Exception as e:
@@ -142,9 +156,24 @@ class Gateway:
         ids = self.tokenize(inp)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
                       ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt)
+        req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)
         return req
+
+    def constraint(self, inp: GenerationInput):
+        """The row's grammar matcher (``mlxb.engine.grammar.Constraint``) or None; a bad format is a 400."""
+        tools = validate_tools(inp.tools)
+        choice = tool_choice_mode(inp.tool_choice, tools)
+        if inp.response_format is None and inp.structured_outputs is None and choice[0] != "required":
+            return None
+        made = constraint_grammar(self.grammars, response_format=inp.response_format,
+                                  structured=inp.structured_outputs, tools=tools, choice=choice,
+                                  fmt=self.tool_format)
+        if made is None:
+            return None
+        grammar, kind = made
+        return self.grammars.constraint(grammar, kind)
 
     def place(self, req: Request) -> str:
         # NOTE: placement reads capability only; sampling features never force the serial path.

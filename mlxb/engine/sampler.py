@@ -21,8 +21,9 @@ _unseeded = itertools.count((int(time.time_ns()) ^ os.getpid()) & 0x7FFFFFFF)
 
 
 class RowSampler:
-    def __init__(self, params: SamplingParams, special_tokens: list[int] | None = None):
+    def __init__(self, params: SamplingParams, special_tokens: list[int] | None = None, constraint=None):
         self.params = params
+        self.constraint = constraint  # grammar matcher: its token mask applies after the processors
         p = params
         self.processors = make_logits_processors(
             p.logit_bias, p.repetition_penalty, p.repetition_context_size, p.presence_penalty,
@@ -67,7 +68,22 @@ class RowSampler:
         draw = mx.random.uniform(0, 1, key=self.next_key())
         return mx.where(draw > p.xtc_probability, logits, mx.where(mask, -mx.inf, logits))
 
+    def serial_processors(self, num_prompt: int) -> list:
+        """For mlx-lm's ``generate_step`` (serial path): the processors, then the grammar mask, which
+        first feeds the matcher the output tokens it has not seen (``tokens`` = prompt + output)."""
+        procs = list(self.processors)
+        if self.constraint is not None:
+            c = self.constraint
+
+            def grammar(tokens: mx.array, logits: mx.array) -> mx.array:
+                c.advance(tokens[num_prompt:].tolist())
+                return c.apply(logits)
+            procs.append(grammar)
+        return procs
+
     def __call__(self, context: mx.array | None, logits: mx.array) -> tuple[mx.array, mx.array]:
         logits = self.process(context, logits)
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sample(logprobs), logprobs

@@ -23,7 +23,7 @@ def run_serial(engine, live) -> None:
     engine.counters["serial_requests"] += 1
     req.timings.admitted = time.perf_counter()
     with engine.device_lock:
-        row = Row(req, RowSampler(req.sampling, engine.runner.special_tokens))
+        row = Row(req, RowSampler(req.sampling, engine.runner.special_tokens, req.constraint))
         try:
             cache, start, status = None, 0, None
             if engine.prompt_cache is not None and req.cache_prompt:
@@ -33,7 +33,7 @@ def run_serial(engine, live) -> None:
                 engine.model,
                 max_tokens=req.max_tokens,
                 sampler=row.sampler.sample,
-                logits_processors=row.sampler.processors or None,
+                logits_processors=row.sampler.serial_processors(req.num_prompt_tokens - start) or None,
                 prefill_step_size=engine.prefill_chunk,
                 prompt_cache=cache,
             )

@@ -28,11 +28,34 @@ GENERATOR_VERSION = 1
 ASSETS = Path(__file__).parent / "assets"
 TOKENIZER_JSON = ASSETS / "tokenizer.json"
 
+# ChatML with tools (Hermes / Qwen2.5 style): the tool list in the system turn, assistant calls as JSON in
+# <tool_call> tags, tool results as <tool_response> in a user turn; mlx-lm infers its json_tools parser from
+# it. Plain conversations render exactly as the template before tools did.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions. Function signatures are within <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\n</tools>\n\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\n</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\n' }}{%- if message['content'] %}{{ message['content'] + '\n' }}{%- endif %}"
+    "{%- for tc in message['tool_calls'] %}{%- set tool_call = tc['function'] if tc.get('function') else tc %}"
+    "{{ '<tool_call>\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' + (tool_call.arguments | tojson) + '}\n</tool_call>' }}"
+    "{%- if not loop.last %}{{ '\n' }}{%- endif %}{%- endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] if message['content'] is not none else '') + '<|im_end|>' + '\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 TOKENIZER_CONFIG = {
@@ -70,6 +93,7 @@ def recipe(preset: Preset, dtype: str | None = None) -> dict:
         "dtype": dtype,
         "seed": preset.seed,
         "tokenizer_sha256": tok_hash,
+        "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest(),
         "generator": GENERATOR_VERSION,
     }
 

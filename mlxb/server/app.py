@@ -20,6 +20,8 @@ from mlxb.engine.gateway import Gateway
 from mlxb.errors import MlxbError, ModelNotFoundError, ValidationError
 from mlxb.server import protocol as P
 from mlxb.server.metrics import Metrics
+from mlxb.server.toolcalls import ToolCallStream
+from mlxb.server.toolcalls import split as split_tool_calls
 
 DEFAULT_MAX_BODY = 4 << 20
 
@@ -115,27 +117,42 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             return err(e)
         metrics.requests.labels("chat" if chat else "completions", "ok").inc()
         lp = lp_block(chat, outs) if opts["logprobs"] else None
-        return JSONResponse(P.full(cid, model, chat, "".join(text), P.finish(last.finish_reason), last.usage, lp))
+        body, calls, reason = "".join(text), None, P.finish(last.finish_reason)
+        if opts["tools"] and gw.tool_format.on:
+            body, calls = split_tool_calls(gw.tool_format, opts["tools"], body)
+            if calls and reason == "stop":
+                reason = "tool_calls"
+        return JSONResponse(P.full(cid, model, chat, body, reason, last.usage, lp, calls))
 
     async def sse(req, stream, cid, model, chat, opts):
         done = False
         last_t = None
         first = True
+        calls = ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
         try:
             async for out in stream:
                 last_t = observe(out, last_t)
                 lp = lp_block(chat, [out]) if (opts["logprobs"] and out.logprob is not None) else None
-                if out.text or lp or first:
-                    if first and out.timings is None:
-                        metrics.ttft.observe(time.perf_counter() - req.timings.submitted)
-                    yield f"data: {json.dumps(P.chunk(cid, model, chat, out.text, None, lp, first))}\n\n"
-                    first = False
+                parts = [("content", out.text or "")]
+                if calls is not None:  # text is split into content and tool calls (a tag may wait a chunk)
+                    parts = calls.feed(out.text or "") + (calls.finish() if out.finish_reason is not None else [])
+                    parts = parts or [("content", "")]
+                for kind, v in parts:
+                    text, tc = (v, None) if kind == "content" else ("", v)
+                    if text or tc or lp or first:
+                        if first and out.timings is None:
+                            metrics.ttft.observe(time.perf_counter() - req.timings.submitted)
+                        yield f"data: {json.dumps(P.chunk(cid, model, chat, text, None, lp, first, tc))}\n\n"
+                        first, lp = False, None
                 if out.finish_reason is not None:
                     done = True
                     if out.finish_reason == "error":
                         e = out.error if isinstance(out.error, MlxbError) else MlxbError(str(out.error))
                         yield f"data: {json.dumps(P.error_body(e))}\n\n"
-                    yield f"data: {json.dumps(P.chunk(cid, model, chat, '', P.finish(out.finish_reason)))}\n\n"
+                    reason = P.finish(out.finish_reason)
+                    if calls is not None and calls.num_calls and reason == "stop":
+                        reason = "tool_calls"
+                    yield f"data: {json.dumps(P.chunk(cid, model, chat, '', reason))}\n\n"
                     if opts["include_usage"]:
                         u = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                              "created": int(time.time()), "model": model, "choices": [], "usage": P.usage(out.usage)}
@@ -159,7 +176,9 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         except MlxbError as e:
             return err(e)
         return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": int(started), "owned_by": "mlxb"} for n in sorted(names)]})
+            {"id": n, "object": "model", "created": int(started), "owned_by": "mlxb",
+             # mlx-lm's parser for this chat template's tool calls; None: tools are rendered, calls stay text
+             "tool_parser": gw.tool_format.name if gw.tool_format.on else None} for n in sorted(names)]})
 
     async def health(request: Request):
         if gw.engine.alive:

@@ -10,8 +10,8 @@ from mlxb.engine.gateway import GenerationInput
 from mlxb.errors import MlxbError, ValidationError
 from mlxb.request import RequestOutput, SamplingParams
 
-UNSUPPORTED = ("tools", "tool_choice", "response_format", "adapters", "draft_model", "num_draft_tokens",
-               "functions", "function_call", "n", "best_of", "suffix", "echo")
+UNSUPPORTED = ("adapters", "draft_model", "num_draft_tokens", "functions", "function_call", "n", "best_of",
+               "suffix", "echo", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 
 NUM = (int, float)
 
@@ -105,12 +105,21 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
                           sampling=sp, stop=[stop] if isinstance(stop, str) else stop,
                           chat_template_kwargs=_get(body, "chat_template_kwargs", dict, None),
                           ignore_eos=_get(body, "ignore_eos", bool, False),
-                          cache_prompt=_get(body, "cache_prompt", bool, True))
+                          cache_prompt=_get(body, "cache_prompt", bool, True),
+                          response_format=_get(body, "response_format", dict, None),
+                          structured_outputs=_get(body, "structured_outputs", dict, None))
+    if chat:
+        inp.tools = _get(body, "tools", list, None)
+        inp.tool_choice = body.get("tool_choice")
+    elif body.get("tools") or body.get("tool_choice"):
+        raise ValidationError("tools belong to /v1/chat/completions", param="tools")
     opts = {
         "stream": _get(body, "stream", bool, False),
         "include_usage": bool(stream_opts.get("include_usage", False)),
         "model": _get(body, "model", str, None),
         "logprobs": want_lp,
+        # tool calls are parsed out of the text unless tool_choice is "none"
+        "tools": inp.tools if chat and inp.tools and inp.tool_choice != "none" else None,
     }
     return inp, opts
 
@@ -158,20 +167,26 @@ def finish(reason: Optional[str]) -> Optional[str]:
 
 
 def chunk(cid: str, model: str, chat: bool, text: str, reason: Optional[str], lp: Optional[dict] = None,
-          first: bool = False) -> dict:
+          first: bool = False, tool_calls: Optional[list[dict]] = None) -> dict:
     now = int(time.time())
     if chat:
         delta = {"role": "assistant", "content": text} if (text or first) else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
         return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model, "choices": [choice]}
     return {"id": cid, "object": "text_completion", "created": now, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
 
 
-def full(cid: str, model: str, chat: bool, text: str, reason: str, u: dict, lp: Optional[dict]) -> dict:
+def full(cid: str, model: str, chat: bool, text: Optional[str], reason: str, u: dict, lp: Optional[dict],
+         tool_calls: Optional[list[dict]] = None) -> dict:
     now = int(time.time())
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": reason}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}

@@ -17,8 +17,12 @@ def test_run_matrix_records_unsupported_and_gates(live):
     tok = live.gw.tokenizer
     cells = [
         Cell("plain", "random", {"input_len": 16}, concurrency=[2], requests_per_slot=1, output_len=4),
-        Cell("grammar", "random", {"input_len": 16}, params={"response_format": {"type": "json_object"}},
+        Cell("draft", "random", {"input_len": 16}, params={"draft_model": "x"},
              concurrency=[2], requests_per_slot=1, output_len=4),
+        Cell("json", "random", {"input_len": 16}, params={"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"],
+                       "additionalProperties": False}}}},
+             gates=["json_schema_valid"], concurrency=[2], requests_per_slot=1, output_len=16),
         Cell("logprobs", "random", {"input_len": 16}, params={"logprobs": True, "top_logprobs": 5},
              gates=["top_logprobs_5"], concurrency=[2], requests_per_slot=1, output_len=4),
     ]
@@ -26,9 +30,10 @@ def test_run_matrix_records_unsupported_and_gates(live):
     reqs, summ = run_matrix(Matrix("t", cells, repeats=1), [t], tok, 8192)
     by = {s["cell"]: s for s in summ}
     assert by["plain"]["status"] == "ok" and by["plain"]["output_tokens"] == 8
-    assert by["grammar"]["status"] == "unsupported" and "response_format" in by["grammar"]["reason"]
+    assert by["draft"]["status"] == "unsupported" and "draft_model" in by["draft"]["reason"]
+    assert by["json"]["status"] == "ok" and by["json"]["gate_json_schema_valid"] is True
     assert by["logprobs"]["status"] == "ok" and by["logprobs"]["gate_top_logprobs_5"] is True
-    assert all(r["ok"] for r in reqs) and len(reqs) == 4
+    assert all(r["ok"] for r in reqs) and len(reqs) == 6
 
 
 def test_bench_load_cli_against_mlxb_and_mlx_lm(tmp_path):

@@ -1,6 +1,5 @@
 """The engine on every synthetic preset: serial == mlx-lm, staggered batches, seeds, containment."""
 
-import threading
 import time
 
 import mlx.core as mx

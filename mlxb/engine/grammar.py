@@ -1,0 +1,163 @@
+"""Constrained decoding with llguidance: one matcher per row, a token bitmask applied before sampling.
+
+``Grammars`` is built once per model (the llguidance tokenizer from the model's Hugging Face fast
+tokenizer, ~1 s); ``compile`` turns a request's format (JSON Schema, regex, Lark, choice) into a
+grammar string and validates it, raising ``ValidationError`` with llguidance's message before any row
+is admitted. Each request then gets its own ``Constraint`` (an ``llguidance.LLMatcher``).
+
+The mask is applied on the device, backend-neutral (llguidance's own ``llguidance.mlx`` helper is a
+Metal kernel): the int32 bitmask ([V/32] words) is expanded with shifts into a boolean row and
+disallowed logits become -inf. Logprobs reported for a constrained row are those of the masked
+distribution.
+
+Tokens reach the matcher in order, once: ``advance(tokens)`` consumes every output token it has not
+seen yet, so the batch lane (which emits a token before it builds the next masked step) and
+mlx-lm's ``generate_step`` on the serial path (whose logits processor sees the token history
+first) share one rule.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mlxb.errors import ValidationError
+
+_BITS = None
+
+
+def _bits() -> mx.array:
+    global _BITS
+    if _BITS is None:
+        _BITS = mx.arange(32, dtype=mx.uint32)
+    return _BITS
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """``logits`` [n, V]; ``bitmask`` int32 [n, ceil(V'/32)] (bit ``t`` of word ``t // 32`` allows
+    token ``t``). Tokens past the mask (vocabulary padding) are disallowed."""
+    n, V = logits.shape
+    words = mx.array(bitmask.view(np.uint32))
+    allowed = ((words[:, :, None] >> _bits()) & 1).reshape(n, -1)
+    w = allowed.shape[1]
+    if w >= V:
+        allowed = allowed[:, :V]
+    else:
+        allowed = mx.concatenate([allowed, mx.zeros((n, V - w), dtype=allowed.dtype)], axis=1)
+    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+class Constraint:
+    """One row's matcher. ``mask()`` for the next token, ``advance()`` with the row's output so far."""
+
+    def __init__(self, matcher, n_vocab: int, eos_ids: list[int], kind: str):
+        self.matcher = matcher
+        self.n_vocab = n_vocab
+        self.eos_ids = list(eos_ids)
+        self.kind = kind
+        self.consumed = 0  # output tokens fed to the matcher
+
+    def advance(self, tokens: list[int]) -> None:
+        for t in tokens[self.consumed:]:
+            self.consumed += 1
+            if self.matcher.is_stopped():
+                continue  # a completed grammar ignores what follows (the row finishes with it)
+            self.matcher.consume_token(int(t))
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but the end may follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def bitmask(self) -> np.ndarray:
+        words = (self.n_vocab + 31) // 32
+        if self.matcher.is_error() or self.matcher.is_stopped():
+            m = np.zeros(words, dtype=np.int32)  # only the end of sequence remains
+            for t in self.eos_ids:
+                if t < self.n_vocab:
+                    m[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            return m
+        raw = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+        out = np.zeros(words, dtype=np.int32)
+        out[: min(words, raw.size)] = raw[:words]
+        return out
+
+    def apply(self, logits: mx.array) -> mx.array:
+        return apply_bitmask(logits, self.bitmask()[None])
+
+
+class Grammars:
+    """The llguidance tokenizer of one model, and request formats compiled against it."""
+
+    def __init__(self, tokenizer, n_vocab: int, eos_ids: list[int]):
+        import llguidance
+        import llguidance.hf
+
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        eos = list(eos_ids) or [hf.eos_token_id]
+        self.ll = llguidance
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos[0])
+        self.n_vocab = n_vocab
+        self.eos_ids = eos
+
+    # ---- request formats -> grammar strings ----------------------------------------------------
+    def from_schema(self, schema, param: str) -> str:
+        if not isinstance(schema, dict):
+            raise ValidationError("the JSON schema must be an object", param=param)
+        try:
+            return self.ll.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        except (ValueError, TypeError) as e:
+            raise ValidationError(f"invalid JSON schema: {e}", param=param) from None
+
+    def from_regex(self, regex, param: str) -> str:
+        if not isinstance(regex, str) or not regex:
+            raise ValidationError("regex must be a non-empty string", param=param)
+        return self.ll.LLMatcher.grammar_from_regex(regex)
+
+    def from_lark(self, lark, param: str) -> str:
+        if not isinstance(lark, str) or not lark.strip():
+            raise ValidationError("grammar must be a non-empty Lark grammar string", param=param)
+        return self.ll.LLMatcher.grammar_from_lark(lark)
+
+    def from_choice(self, choices, param: str) -> str:
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValidationError("choice must be a non-empty list of non-empty strings", param=param)
+        return self.ll.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in choices))
+
+    def tool_call(self, tools: list[dict], start: str, end: str, name: Optional[str], param: str) -> str:
+        """One call of the given tools in the json_tools format: ``start`` + {"name", "arguments"} + ``end``."""
+        options = []
+        for t in tools:
+            fn = t["function"]
+            if name is not None and fn["name"] != name:
+                continue
+            params = fn.get("parameters") or {"type": "object"}
+            options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                            "required": ["name", "arguments"], "additionalProperties": False})
+        if not options:
+            raise ValidationError(f"tool_choice names {name!r}, which is not among the declared tools", param=param)
+        schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+        schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON, as the template writes it
+        lark = (f"start: {json.dumps(start + chr(10))} call {json.dumps(chr(10) + end)}\n"
+                f"call: %json {json.dumps(schema)}\n")
+        return self.ll.LLMatcher.grammar_from_lark(lark)
+
+    def validate(self, grammar: str, param: str) -> str:
+        err = self.ll.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if err and not err.startswith("WARNING"):
+            raise ValidationError(f"invalid grammar: {err}", param=param)
+        return grammar
+
+    def constraint(self, grammar: str, kind: str) -> Constraint:
+        m = self.ll.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValidationError(f"invalid grammar: {m.get_error()}", param="response_format")
+        return Constraint(m, self.n_vocab, self.eos_ids, kind)

@@ -1,0 +1,110 @@
+"""The agent API's output side: the model's text split into content and OpenAI ``tool_calls``.
+
+The format parser is mlx-lm's (``TokenizerWrapper.tool_parser``, with the template's start and end
+tags); this module only finds the tagged spans, also across streaming deltas (a tag split over two
+chunks is held back until it is whole), and shapes the calls: ``{"id", "type": "function",
+"function": {"name", "arguments": "<JSON string>"}}``. A span the parser rejects, or one left open
+at the end, comes back as plain content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Optional
+
+from mlxb.engine.tools import ToolFormat
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _shape(parsed: Any) -> list[dict]:
+    items = parsed if isinstance(parsed, list) else [parsed]
+    out = []
+    for p in items:
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+            raise ValueError(f"not a tool call: {p!r}")
+        args = p.get("arguments", {})
+        out.append({"id": _call_id(), "type": "function",
+                    "function": {"name": p["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
+
+
+class ToolCallStream:
+    """Feed text deltas; get ("content", str) and ("calls", [call, ...]) events in order."""
+
+    def __init__(self, fmt: ToolFormat, tools: Optional[list[dict]]):
+        assert fmt.on
+        self.fmt, self.tools = fmt, tools
+        self.buf = ""
+        self.in_call = False
+        self.num_calls = 0
+
+    def _parse(self, span: str) -> Optional[list[dict]]:
+        """The calls in one tagged span, numbered on from the calls before (``index``), or None."""
+        try:
+            calls = _shape(self.fmt.parser(span, self.tools))
+        except Exception:
+            return None
+        for c in calls:
+            c["index"] = self.num_calls
+            self.num_calls += 1
+        return calls
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.buf += text
+        events: list[tuple[str, Any]] = []
+        start, end = self.fmt.start, self.fmt.end
+        while True:
+            if not self.in_call:
+                i = self.buf.find(start)
+                if i < 0:
+                    keep = next((k for k in range(min(len(start) - 1, len(self.buf)), 0, -1)
+                                 if start.startswith(self.buf[-k:])), 0)
+                    emit, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                    if emit:
+                        events.append(("content", emit))
+                    return events
+                if i > 0:
+                    events.append(("content", self.buf[:i]))
+                self.buf, self.in_call = self.buf[i + len(start):], True
+            else:
+                j = self.buf.find(end) if end else -1
+                if j < 0:
+                    return events
+                span, self.buf, self.in_call = self.buf[:j], self.buf[j + len(end):], False
+                calls = self._parse(span)
+                if calls is None:
+                    events.append(("content", start + span + end))
+                else:
+                    events.append(("calls", calls))
+
+    def finish(self) -> list[tuple[str, Any]]:
+        events: list[tuple[str, Any]] = []
+        if self.in_call:  # left open (no end tag, or the output was cut): parse what is there
+            calls = self._parse(self.buf) if self.buf.strip() else None
+            if calls is None:
+                events.append(("content", self.fmt.start + self.buf))
+            else:
+                events.append(("calls", calls))
+        elif self.buf:
+            events.append(("content", self.buf))
+        self.buf, self.in_call = "", False
+        return events
+
+
+def split(fmt: ToolFormat, tools: Optional[list[dict]], text: str) -> tuple[Optional[str], list[dict]]:
+    """Whole output -> (content or None, tool calls)."""
+    s = ToolCallStream(fmt, tools)
+    content, calls = [], []
+    for kind, v in s.feed(text) + s.finish():
+        if kind == "content":
+            content.append(v)
+        else:
+            calls.extend({k: x for k, x in c.items() if k != "index"} for c in v)
+    body = "".join(content)
+    if calls and not body.strip():
+        return None, calls
+    return body, calls
