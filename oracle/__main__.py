@@ -23,8 +23,8 @@ def main(argv: list[str]) -> int:
         mkey = (case.model, case.dtype)
         if mkey not in models:
             models.clear()  # one model resident at a time
-            models[mkey] = load_model(case.model, case.dtype)[0]
-        res = run_case(models[mkey], case)
+            models[mkey] = load_model(case.model, case.dtype)[:2]
+        res = run_case(*models[mkey][:1], case, tokenizer=models[mkey][1])
         out.append({"digest": case.digest(), **res})
         print(f"oracle {i + 1}/{len(cases)}", file=sys.stderr, flush=True)
     with open(dst, "w") as f:

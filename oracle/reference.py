@@ -26,6 +26,44 @@ from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, Ro
 from mlxb.parity.protocol import Case, plan, step_record
 
 
+class _Grammar:
+    """Constrained rows of a ``grammar`` case: llguidance's matcher over the model's tokenizer (the
+    library, not mlxb's wrapper), its bitmask unpacked with numpy, disallowed logits set to -inf before
+    the log-softmax: the masked distribution, as a logits processor would give it."""
+
+    def __init__(self, case: Case, tokenizer):
+        self.rows = set(case.grammar["rows"]) if case.grammar else set()
+        self.case, self.tokenizer, self.m = case, tokenizer, None
+
+    def __contains__(self, r: int) -> bool:
+        return r in self.rows
+
+    def _matchers(self, V: int) -> dict:
+        if self.m is None:  # the vocabulary is the model's logits width
+            import llguidance
+            import llguidance.hf
+
+            hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
+            eos = sorted(getattr(self.tokenizer, "eos_token_ids", []) or []) or [hf.eos_token_id]
+            lt = llguidance.hf.from_tokenizer(hf, n_vocab=V, eos_token=eos[0])
+            g = llguidance.LLMatcher.grammar_from_regex(self.case.grammar["regex"])
+            self.m = {r: llguidance.LLMatcher(lt, g, log_level=0) for r in self.rows}
+        return self.m
+
+    def pick(self, r: int, logits: mx.array) -> tuple[int, mx.array]:
+        """Row ``r``'s [1, V] logits -> (greedy token under its mask, masked log-softmax); feeds the token."""
+        V = logits.shape[-1]
+        m = self._matchers(V)[r]
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:V]
+        allowed = np.zeros(V, dtype=bool)
+        allowed[: bits.size] = bits.astype(bool)
+        logits = mx.where(mx.array(allowed)[None], logits, mx.array(-mx.inf, dtype=logits.dtype))
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tok = int(mx.argmax(lp, axis=-1).item())
+        assert m.consume_token(tok), m.get_error()
+        return tok, lp
+
+
 def record(token: int, logprobs: mx.array, geo=None) -> dict:
     return step_record(token, np.array(logprobs.reshape(-1).astype(mx.float32)), geo)
 
@@ -66,7 +104,7 @@ def _join_batch(batch: list, cohort: list, full_op: str) -> list:
 
 
 def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: dict, starts: dict,
-                    it=None, store=None):
+                    it=None, store=None, grammar=None):
     """mlx-lm's own PromptProcessingBatch over the uncached prompt bodies (each row's caches hold its
     cached prefix, or nothing), then one [n, 1] step. Snapshots the plan asks for at the body end are
     the batch's own ``extract``."""
@@ -82,7 +120,11 @@ def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: d
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     toks = mx.argmax(lp, axis=-1)
     mx.eval(toks, lp)
-    return caches, toks.tolist(), lp
+    toks, lps = toks.tolist(), [lp[i : i + 1] for i in range(len(rows))]
+    for i, r in enumerate(rows):
+        if grammar is not None and r in grammar:
+            toks[i], lps[i] = grammar.pick(r, logits[i : i + 1])
+    return caches, toks, lps
 
 
 def _through_disk(store: dict) -> None:
@@ -104,14 +146,14 @@ def _seed(store: dict, src: list, model) -> list:
     return caches
 
 
-def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_tok: dict, gl):
+def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_tok: dict, gl, grammar=None):
     starts = {ch.row: ch.start for ch in it.prefills if ch.row in it.cohort}
     seeded = {r: _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model) for r in it.cohort}
     caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort}, seeded, starts,
-                                       it, store)
+                                       it, store, grammar)
     geo = [None] * len(it.cohort) if gl is None else _geometry(caches[gl])
     for i, r in enumerate(it.cohort):
-        records[r].append(record(toks[i], lp[i : i + 1], geo[i]))
+        records[r].append(record(toks[i], lp[i], geo[i]))
         last_tok[r] = toks[i]
     keep = [i for i, r in enumerate(it.cohort) if r in it.joins]
     if len(keep) < len(it.cohort) and keep:
@@ -120,9 +162,10 @@ def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_
     return caches
 
 
-def run_case(model, case: Case) -> dict:
+def run_case(model, case: Case, tokenizer=None) -> dict:
     """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
     rows = case.rows
+    grammar = _Grammar(case, tokenizer)
     prompts: dict[int, list] = {}  # resolved when a row first prefills (linked rows need outputs)
     store: dict[tuple, list] = {}  # prompt cache snapshots by (row, length)
 
@@ -145,7 +188,7 @@ def run_case(model, case: Case) -> dict:
             r = ch.row
             if r in it.cohort:
                 if r == it.cohort[0]:  # every snapshot its rows start from was taken before this point
-                    cohort_caches = _run_cohort(model, case, it, store, prompt, records, last_tok, gl)
+                    cohort_caches = _run_cohort(model, case, it, store, prompt, records, last_tok, gl, grammar)
                 continue
             if r not in solo:
                 solo[r] = _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model)
@@ -156,8 +199,11 @@ def run_case(model, case: Case) -> dict:
                 store[(r, ch.end)] = copy.deepcopy(solo[r])
             if ch.is_last:
                 logits = model(mx.array(prompt(r)[-1:], dtype=mx.uint32)[None], cache=solo[r])[:, -1, :]
-                lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                tok = int(mx.argmax(lp, axis=-1).item())
+                if r in grammar:
+                    tok, lp = grammar.pick(r, logits)
+                else:
+                    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                    tok = int(mx.argmax(lp, axis=-1).item())
                 g = _geo_layer(solo[r])
                 records[r].append(record(tok, lp, None if g is None else _geometry(solo[r][g])[0]))
                 last_tok[r] = tok
@@ -200,8 +246,12 @@ def run_case(model, case: Case) -> dict:
             for i, r in enumerate(batch):
                 if r in it.emits:
                     assert it.emits[r] == len(records[r])
-                    records[r].append(record(values[i], lp[i : i + 1], geo[i]))
-                    last_tok[r] = values[i]
+                    if r in grammar:  # the mask of this step follows every token the row emitted before
+                        tok, lpr = grammar.pick(r, logits[i : i + 1])
+                    else:
+                        tok, lpr = values[i], lp[i : i + 1]
+                    records[r].append(record(tok, lpr, geo[i]))
+                    last_tok[r] = tok
             for i, r in enumerate(batch):  # retiring rows go back to the prompt cache: prompt + output
                 m = rows[r].max_tokens
                 if r in it.retire and [r, len(prompt(r)) + m] in it.snaps:

@@ -52,6 +52,11 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     python3 scripts/cohort_cost.py /var/tmp/$m --rows ${ROWS:-7,13,18,13,18} --out "$OUT/cohort-$m.json" 2>&1 | grep -v Warning ;;
+  grammar)  # what llguidance masks cost a decode step (B rows all constrained vs all free)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    MLX_CUDA_USE_CUDNN_SDPA=0 python3 scripts/grammar_cost.py /var/tmp/$m --batches ${BATCHES:-1,8,32} --steps ${STEPS:-48} \
+      --out "$OUT/grammar-cost-$m.json" 2>&1 | grep -v Warning ;;
   agents)  # prompt cache: agents sharing a 2k-token system prompt, mlxb serve vs mlx_lm.server, 8 and 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

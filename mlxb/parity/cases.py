@@ -7,7 +7,8 @@ import hashlib
 
 import numpy as np
 
-from mlxb.parity.protocol import CASES, PREFIX_TRIMMABLE, Case, RowSpec, applies, plan
+from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, PREFIX_TRIMMABLE, Case, RowSpec, applies,
+                                  plan)
 
 
 def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -54,6 +55,10 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 8 + 2 * ((i + 1) % 3), 3 * i) for i in range(b)]
     elif case == "prefix":
         return _prefix_case(model, dtype, b, seed, rng, vocab)
+    elif case == "grammar":  # the join case's rows (unconstrained rows must match its records bit for bit)
+        j = make_case(model, dtype, "join", b, seed, vocab, window)
+        return Case(model, dtype, "grammar", b, seed, j.rows, j.prefill_chunk, j.join_full,
+                    grammar={"regex": GRAMMAR_REGEX, "rows": [r for r in GRAMMAR_ROWS if r < b]})
     return Case(model, dtype, case, b, seed, rows, chunk, join_full)
 
 

@@ -35,6 +35,12 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
         eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 40, disk_dir=disk.name,
                                             disk_bytes=1 << 40))
         assert eng.prompt_cache.trimmable == case.prefix["trimmable"], "the case's reuse rule is not the model's"
+    grammars = None
+    if case.grammar:  # constrained rows: the server's own grammar path (llguidance matcher per row)
+        from mlxb.engine.gateway import _vocab_size
+        from mlxb.engine.grammar import Grammars
+
+        grammars = Grammars(tokenizer, _vocab_size(model, tokenizer), sorted(getattr(tokenizer, "eos_token_ids", []) or []))
     expected = plan(case)
     timeline, streams, reqs = [], [], {}
     limit = len(expected) + 8
@@ -48,6 +54,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
                 if spec.arrive == k:
                     prompt = case.resolve(i, {r: [x["t"] for x in v] for r, v in records.items()})
                     req = Request(f"r{i}", prompt, spec.max_tokens, SamplingParams(), ignore_eos=True)
+                    if case.regex(i):
+                        req.constraint = grammars.constraint(grammars.from_regex(case.regex(i), "regex"), "regex")
                     reqs[i] = req
                     req.mechanism = "continuous"
                     st = OutputStream(req.request_id)

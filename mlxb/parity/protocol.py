@@ -42,8 +42,14 @@ from typing import Optional
 
 import numpy as np
 
-CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix")
-GENERAL = ("static", "join", "leave", "extend", "merge", "burst")
+CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar")
+GENERAL = ("static", "join", "leave", "extend", "merge", "burst", "grammar")
+# grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
+# where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
+# 180 characters, so every row still produces exactly max_tokens tokens and the plan is the join case's; the
+# constrained rows' logprobs are those of the masked distribution.
+GRAMMAR_REGEX = "(ab |cd ){60,}"
+GRAMMAR_ROWS = (0, 2)
 # prefix: every tiny preset; True where every layer is full attention / latent (reuse at any length)
 PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
                     "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
@@ -74,6 +80,8 @@ class Case:
     # prompt cache on: {"trimmable": bool, "links": {row: {"base": earlier row, "ssd": bool}}}; a linked
     # row's prompt is its base row's prompt + output + its own ``prompt`` tokens
     prefix: Optional[dict] = None
+    # constrained decoding: {"regex": str, "rows": [row, ...]}; those rows sample under the regex's token mask
+    grammar: Optional[dict] = None
 
     @property
     def key(self) -> str:
@@ -83,7 +91,14 @@ class Case:
         d = asdict(self)
         if d["prefix"] is None:
             del d["prefix"]  # cases without the prompt cache keep their digests
+        if d["grammar"] is None:
+            del d["grammar"]
         return d
+
+    def regex(self, r: int) -> Optional[str]:
+        """The regex constraining row ``r``, or None."""
+        g = self.grammar or {}
+        return g.get("regex") if r in g.get("rows", ()) else None
 
     def link(self, r: int) -> Optional[dict]:
         return (self.prefix or {}).get("links", {}).get(str(r))

@@ -57,7 +57,7 @@ def test_knee_stops_at_first_breach():
 
 def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
-    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long"]
+    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json"]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
     bad = tmp_path / "m.toml"
     cases = [

@@ -56,8 +56,8 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     assert out["ok"] and all(x["ok"] for x in res)
     live = [x for x in res if x["against"] == "live"]
     gold = [x for x in res if x["against"].startswith("golden")]
-    assert len(live) == len(gold) == 368  # 6 presets x (6 general + special + prefix) cases x B=1..4 x 2 dtypes
-    assert sum(x["steps"] for x in live) > 10000  # coverage: 10116 row-steps (schema 2, burst and prefix cases)
+    assert len(live) == len(gold) == 416  # 6 presets x (7 general + special + prefix) cases x B=1..4 x 2 dtypes
+    assert sum(x["steps"] for x in live) == 11556  # coverage: row-steps incl. the burst, prefix and grammar cases
     assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
     mine = ROOT / "goldens" / out["machine_key"]
     for x in gold:  # this machine's file is used wherever one is committed, the shared layer otherwise
@@ -68,11 +68,32 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
 
 @pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
                                         ("double_last_token", "static"), ("always_aligned", "join"),
-                                        ("prefix_off_by_one", "prefix")])
+                                        ("prefix_off_by_one", "prefix"), ("grammar_one_step_late", "grammar")])
 def test_negative_control_fails(fault, case):
     r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", case, "--against", "both", "--plant-fault", fault)
     assert r.returncode == 1, r.stdout
     assert "FAIL" in r.stdout and "first divergence" in r.stdout
+
+
+def test_grammar_case_constrains_its_rows_and_leaves_the_others_as_in_join():
+    """Rows 0 and 2 follow the regex; the unconstrained rows give the join case's records bit for bit."""
+    import re
+
+    from mlxb.models import load_model
+    from mlxb.parity.protocol import GRAMMAR_REGEX
+    from mlxb.parity.run import run_ours
+
+    _, tok, _, _ = load_model("tiny-llama")
+    g, j = make_case("tiny-llama", "float32", "grammar", 4), make_case("tiny-llama", "float32", "join", 4)
+    rg, rj = run_ours([g, j])
+    for r in range(4):
+        a, b = rg["records"][str(r)], rj["records"][str(r)]
+        if g.regex(r):
+            text = tok.decode([x["t"] for x in a])
+            assert re.fullmatch(GRAMMAR_REGEX.replace("{60,}", "*") + "(ab?|cd?)?", text), text  # a prefix of a match
+            assert a != b
+        else:
+            assert a == b
 
 
 def test_clean_run_of_the_same_cases_passes():
