@@ -51,6 +51,49 @@ def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
+_EXECUTOR: list = []
+
+
+def batch_bitmask(constraints: list["Constraint"]) -> np.ndarray:
+    """The next-token bitmasks of several rows, [n, words]: live matchers are filled together by
+    llguidance's thread pool (Rust, without the GIL); completed or failed ones allow only the end."""
+    words = (constraints[0].n_vocab + 31) // 32
+    out = np.zeros((len(constraints), words), dtype=np.int32)
+    live = []
+    for i, c in enumerate(constraints):
+        if c.matcher.is_error() or c.matcher.is_stopped():
+            out[i] = c.bitmask()
+        else:
+            live.append((c.matcher, i))
+    if len(live) == 1:
+        i = live[0][1]
+        out[i] = constraints[i].bitmask()
+    elif live:
+        import llguidance
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        fill_next_token_bitmask_par(_EXECUTOR[0], live, out)
+    return out
+
+
+def apply_row_masks(logits: mx.array, constraints: list, rows: list[int]) -> mx.array:
+    """Mask batch ``logits`` [B, V]: row ``rows[j]`` under ``constraints[j]``, every other row untouched
+    (an all-ones mask), in one device op."""
+    bm = batch_bitmask(constraints)
+    B = logits.shape[0]
+    if len(rows) < B:
+        full = np.full((B, bm.shape[1]), -1, dtype=np.int32)
+        full[rows] = bm
+        if full.shape[1] * 32 < logits.shape[1]:  # vocabulary padding past the mask stays allowed for free rows
+            pad = np.full((B, (logits.shape[1] - full.shape[1] * 32 + 31) // 32), -1, dtype=np.int32)
+            pad[rows] = 0
+            full = np.concatenate([full, pad], axis=1)
+        bm = full
+    return apply_bitmask(logits, bm)
+
+
 class Constraint:
     """One row's matcher. ``mask()`` for the next token, ``advance()`` with the row's output so far."""
 

@@ -33,6 +33,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
+from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler
 from mlxb.request import Request, TokenLogprob
 
@@ -254,14 +255,14 @@ class Runner:
 
     # ---- decode ----------------------------------------------------------------------------
     @staticmethod
-    def _sample_rows(rows: list[Row], inputs: mx.array, logits: mx.array) -> tuple[mx.array, list]:
+    def _sample_rows(rows: list[Row], inputs: mx.array, logits: mx.array, masked: bool = False) -> tuple[mx.array, list]:
         """Per-row processors and sampler over batch ``logits`` ([n, V]) whose step consumed ``inputs``
         ([n]). Returns the sampled tokens ([n]) and each row's logprobs ([1, V])."""
         toks, lps = [], []
         for i, r in enumerate(rows):
             if r.context is not None:
                 r.context = mx.concatenate([r.context, inputs[i : i + 1]])
-            tok, lp = r.sampler(r.context, logits[i : i + 1])
+            tok, lp = r.sampler(r.context, logits[i : i + 1], masked)
             toks.append(tok.reshape(1))
             lps.append(lp)
         return mx.concatenate(toks), lps
@@ -286,12 +287,15 @@ class Runner:
             # while it runs, then the masked sampling is built. Without grammar rows nothing changes.
             mx.async_eval(logits)
             early = self._emit_pending(inputs, self.pending, self.pending_geo)
-        if all(r.plain for r in rows):
+        cons = [i for i, r in enumerate(rows) if r.sampler.constraint is not None]
+        if cons:  # every grammar row's mask in one device op (llguidance fills them in parallel)
+            logits = apply_row_masks(logits, [rows[i].sampler.constraint for i in cons], cons)
+        if all(r.plain or (r.req.sampling.is_plain_greedy and r.sampler.constraint is not None) for r in rows):
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             sampled = mx.argmax(logprobs, axis=-1)
             new_pending = [logprobs[i : i + 1] for i in range(len(rows))] if self.capture else [True] * len(rows)
         else:
-            sampled, lps = self._sample_rows(rows, inputs, logits)
+            sampled, lps = self._sample_rows(rows, inputs, logits, masked=bool(cons))
             new_pending = [lp if self._needs_vectors(r) else True for r, lp in zip(rows, lps)]
         t1 = time.perf_counter()
         mx.async_eval(sampled, [p for p in new_pending if p is not True])

@@ -81,9 +81,11 @@ class RowSampler:
             procs.append(grammar)
         return procs
 
-    def __call__(self, context: mx.array | None, logits: mx.array) -> tuple[mx.array, mx.array]:
+    def __call__(self, context: mx.array | None, logits: mx.array, masked: bool = False) -> tuple[mx.array, mx.array]:
+        """``masked``: the grammar mask was already applied to ``logits`` (the batch lane masks all rows
+        at once; processors see the masked logits there, and -inf stays -inf through them)."""
         logits = self.process(context, logits)
-        if self.constraint is not None:
+        if self.constraint is not None and not masked:
             logits = self.constraint.apply(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sample(logprobs), logprobs
