@@ -128,6 +128,14 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
+MIN_LOGPROB = -9999.0  # what OpenAI reports for tokens with no probability (JSON has no -Infinity)
+
+
+def _lp(x: float) -> float:
+    """A logprob for JSON: a grammar-masked token's -inf becomes MIN_LOGPROB."""
+    return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
 def _tok_text(tokenizer, t: int) -> str:
     return tokenizer.decode([t])
 
@@ -139,8 +147,8 @@ def logprobs_chat(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
             continue
         s = _tok_text(tokenizer, o.logprob.token)
         content.append({
-            "token": s, "logprob": o.logprob.logprob, "bytes": list(s.encode()),
-            "top_logprobs": [{"token": _tok_text(tokenizer, t), "logprob": lp, "bytes": list(_tok_text(tokenizer, t).encode())}
+            "token": s, "logprob": _lp(o.logprob.logprob), "bytes": list(s.encode()),
+            "top_logprobs": [{"token": _tok_text(tokenizer, t), "logprob": _lp(lp), "bytes": list(_tok_text(tokenizer, t).encode())}
                              for t, lp in o.logprob.top],
         })
     return {"content": content}
@@ -152,8 +160,8 @@ def logprobs_completion(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
         if o.logprob is None:
             continue
         toks.append(_tok_text(tokenizer, o.logprob.token))
-        lps.append(o.logprob.logprob)
-        tops.append({_tok_text(tokenizer, t): lp for t, lp in o.logprob.top})
+        lps.append(_lp(o.logprob.logprob))
+        tops.append({_tok_text(tokenizer, t): _lp(lp) for t, lp in o.logprob.top})
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 

@@ -174,3 +174,19 @@ def test_bad_agent_input_is_a_400_naming_the_field(client, body, param):
 def test_openai_sdk_raises_bad_request_for_an_unknown_role(oai):
     with pytest.raises(BadRequestError):
         oai.chat.completions.create(model="tiny-llama", messages=[{"role": "wizard", "content": "hi"}], max_tokens=4)
+
+
+def test_constrained_logprobs_are_of_the_masked_distribution_and_stop_strings_apply(client):
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "logprobs": True, "top_logprobs": 5,
+            "structured_outputs": {"regex": "(ab |cd ){6}"}}
+    r = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert re.fullmatch("(ab |cd ){6}", r["message"]["content"]) and r["finish_reason"] == "stop"
+    for e in r["logprobs"]["content"]:
+        # only allowed tokens have probability: every finite alternative is a piece of the pattern
+        assert e["logprob"] > -9999.0
+        for alt in e["top_logprobs"]:
+            assert alt["logprob"] == -9999.0 or re.fullmatch(r"[abcd ]*", alt["token"]), alt
+    r = client.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": 0, "stop": ["cd"]})
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop" and "cd" not in c["message"]["content"]
+    assert re.fullmatch("(ab )*(ab?)?", c["message"]["content"]), c
