@@ -159,6 +159,12 @@ class _RowOps:
 
 class _Full(_RowOps):
     def to_batch(self, solos):
+        if any(hasattr(s, "bits") for s in solos):  # quantized rows (--kv-bits): the packed batch layout
+            from mlxb.cache.quantized import BatchQuantizedKVCache
+
+            if not all(hasattr(s, "bits") or s.size() == 0 for s in solos):
+                raise ValueError("quantized and plain rows cannot share a batch layer")
+            return BatchQuantizedKVCache.merge(solos)
         if all(s.size() == 0 for s in solos):  # mlx-lm's merge returns its own class when empty
             return AlignedBatchKVCache([0] * len(solos))
         return AlignedBatchKVCache.merge(solos)
@@ -212,8 +218,10 @@ def nbytes(cache) -> int:
         return 0
 
 
-def kv_projection(model, kinds: list[Optional[str]]) -> KVProjection:
-    """Per-layer KV bytes measured from one real 1-token forward (dtype and head shapes included)."""
+def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjection:
+    """Per-layer KV bytes measured from one real 1-token forward (dtype and head shapes included).
+    With a quantized scheme (--kv-bits), full-attention layers hold ``scheme.start`` tokens at full
+    width and the rest packed (values + scales + biases)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -225,6 +233,14 @@ def kv_projection(model, kinds: list[Optional[str]]) -> KVProjection:
         if kind in ("full", "latent", "rotating"):
             per_tok = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
             window = c.max_size if kind == "rotating" else None
+            if kind == "full" and scheme is not None:
+                dims = {c.keys.shape[3], c.values.shape[3]}
+                if any(d % scheme.group_size for d in dims):
+                    raise ValueError(f"--kv-group-size {scheme.group_size} does not divide this model's head dimension "
+                                     f"({', '.join(map(str, sorted(dims)))}); choose a group size that does (32 or 64)")
+                q = scheme.bytes_per_token(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype.size)
+                layers.append(LayerBytes(kind, q, None, 0, per_tok, scheme.start))
+                continue
             layers.append(LayerBytes(kind, per_tok, window))
         elif kind == "ssm":
             layers.append(LayerBytes(kind, 0, None, sum(a.nbytes for a in c.cache if a is not None)))

@@ -78,11 +78,30 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   chat_template: Optional[str] = None, warmup: bool = True, prompt_cache: bool = True,
                   prompt_cache_bytes: Optional[int] = None, prompt_cache_size: Optional[int] = None,
                   prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: Optional[int] = None,
-                  cudnn_attention: Optional[bool] = None, **engine_kw) -> Gateway:
+                  cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                  quantized_kv_start: int = 0, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
+    scheme = None
+    if kv_bits is not None:
+        from mlxb.cache.quantized import KVScheme
+
+        try:
+            scheme = KVScheme(kv_bits, kv_group_size, quantized_kv_start)
+        except ValueError as e:
+            from mlxb.errors import ValidationError
+
+            raise ValidationError(str(e), param="kv_bits") from None
+        prompt_cache = False  # NOTE: snapshots are not stored in the packed layout yet (issue 14)
     m, tok, spec, path = load_model(model, dtype)
-    engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
-                    context_limit=context_limit(m), **engine_kw)
+    try:
+        engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
+                        context_limit=context_limit(m), kv_scheme=scheme, **engine_kw)
+    except ValueError as e:
+        if scheme is None:
+            raise
+        from mlxb.errors import ValidationError
+
+        raise ValidationError(str(e), param="kv_group_size") from None
     pc = build_prompt_cache(engine, kv_budget=kv_budget, max_bytes=prompt_cache_bytes, max_entries=prompt_cache_size,
                             disk_dir=prompt_cache_dir, disk_bytes=prompt_cache_disk_bytes) if prompt_cache else None
     engine.attach_prompt_cache(pc)  # NOTE: the warm-up runs the cache paths too, then empties the RAM tier

@@ -66,13 +66,15 @@ class Engine:
         faults: frozenset = frozenset(),
         prompt_cache=None,
         min_shared: int = 32,
+        kv_scheme=None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.kinds = layer_kinds(model)
         self.batchable = all(k is not None for k in self.kinds)
-        self.projection = kv_projection(model, self.kinds) if self.batchable else None
+        self.kv_scheme = kv_scheme  # mlxb.cache.quantized.KVScheme (--kv-bits) or None
+        self.projection = kv_projection(model, self.kinds, kv_scheme) if self.batchable else None
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(
@@ -89,7 +91,7 @@ class Engine:
             evict_cache=self.reuse.evict,
         )
         self.attach_prompt_cache(prompt_cache)
-        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults,
+        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=kv_scheme,
                              special_tokens=sorted(self.eos_ids))
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -163,6 +165,7 @@ class Engine:
             "kv_budget_bytes": s.kv_budget,
             **self.counters,
             "attention_kernels": self.attention_kernels,
+            "kv_scheme": self.kv_scheme.name if self.kv_scheme else "none",
             "step_timing": self.step_timing(),
             "prompt_cache": self.prompt_cache_stats(),
         }

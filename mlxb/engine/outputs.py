@@ -14,6 +14,8 @@ class LayerBytes:
     bytes_per_token: int = 0
     window: Optional[int] = None  # sliding-window cap on tokens held
     fixed_bytes: int = 0  # state that does not grow (SSM)
+    full_bytes_per_token: int = 0  # quantized layers: bytes of the first ``full_tokens`` (not yet converted)
+    full_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class KVProjection:
         total = 0
         for layer in self.layers:
             n = num_tokens if layer.window is None else min(num_tokens, layer.window)
+            if layer.full_tokens and n < layer.full_tokens:  # not converted yet (--quantized-kv-start)
+                total += n * layer.full_bytes_per_token + layer.fixed_bytes
+                continue
             total += n * layer.bytes_per_token + layer.fixed_bytes
         return total
 

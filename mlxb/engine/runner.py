@@ -30,9 +30,10 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
+from mlxb.cache.quantized import maybe_quantize
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler
 from mlxb.request import Request, TokenLogprob
@@ -90,9 +91,11 @@ class Runner:
         capture: Optional[Callable[[str, int, int, np.ndarray, Optional[tuple]], None]] = None,
         faults: frozenset = frozenset(),
         special_tokens: Optional[list[int]] = None,
+        kv_scheme=None,
     ):
         self.model = model
         self.kinds = kinds
+        self.kv = kv_scheme  # mlxb.cache.quantized.KVScheme (--kv-bits) or None
         self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
         self.capture = capture
         self.faults = faults
@@ -124,6 +127,7 @@ class Runner:
             end = len(ids)  # planted bug: the held-back token is fed here and again below
         if end > start:
             self.model(mx.array(ids[start:end])[None], cache=row.solo)
+            row.solo = maybe_quantize(row.solo, self.kinds, self.kv, end)  # where mlx-lm's generate_step converts
             mx.eval([c.state for c in row.solo])
             trim_allocator_cache()
 
@@ -131,6 +135,7 @@ class Runner:
         """Feed the held-back last prompt token (L=1) and sample token 0 on the solo caches."""
         last = mx.array(row.req.prompt_ids[-1:], dtype=mx.uint32)
         logits = self.model(last[None], cache=row.solo)[:, -1, :]
+        row.solo = maybe_quantize(row.solo, self.kinds, self.kv, row.req.num_prompt_tokens)
         if row.context is not None:
             row.context = mx.concatenate([row.context, last])
         tok, lp = row.sampler(row.context, logits)
@@ -199,6 +204,8 @@ class Runner:
                 for c in caches:
                     c.finalize()
             mx.eval([c.state for c in caches])
+        if self.kv is not None and min(s + n for s, n in zip(starts, lengths)) >= self.kv.start:
+            caches = self._quantized(caches)  # every body reached the start: convert before the held-back step
         if snapshot is not None:
             for i in range(len(rows)):
                 snapshot(i, [ROW_OPS[k].extract(c, i) for k, c in zip(self.kinds, caches)])
@@ -223,7 +230,7 @@ class Runner:
             return
         if len(keep) < len(rows):
             caches = [ROW_OPS[k].filter(c, keep) for k, c in zip(self.kinds, caches)]
-        self._attach([rows[i] for i in keep], [tokens[i] for i in keep], caches, merged=True)
+        self._attach([rows[i] for i in keep], [tokens[i] for i in keep], self._quantized(caches), merged=True)
 
     # ---- join ------------------------------------------------------------------------------
     def join(self, row: Row, token0: int) -> None:
@@ -232,7 +239,7 @@ class Runner:
         row.base = row.req.num_prompt_tokens - self.num_steps  # the solo caches hold the whole prompt
         solo, row.solo = row.solo, []
         if self.rows:
-            solo = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, solo)]
+            solo = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self._quantized(solo))]
         self._attach([row], [token0], solo, merged=bool(self.rows))
 
     def _attach(self, rows: list[Row], tokens: list[int], caches: list, merged: bool) -> None:
@@ -242,7 +249,7 @@ class Runner:
             self.caches, self.merged, self.register = caches, merged, tok
         else:
             if not self.merged:
-                self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self.caches)]
+                self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self._quantized(self.caches))]
                 self.merged = True
             self.caches = [ROW_OPS[k].join_batch(b, c, self.join_mode[k])
                            for k, b, c in zip(self.kinds, self.caches, caches)]
@@ -252,6 +259,24 @@ class Runner:
         if self.pending_geo is not None:
             self.pending_geo.extend([None] * len(rows))
         self._align()
+
+    def _quantized(self, caches: list) -> list:
+        """With --kv-bits, every full-attention layer of a merged batch is quantized: a row whose
+        offset has not reached --quantized-kv-start converts when it shares a batch (an adopted
+        lone row converts exactly where mlx-lm's generate_step does)."""
+        if self.kv is None:
+            return caches
+        from mlxb.cache.quantized import KVScheme, quantize_batch
+
+        now = KVScheme(self.kv.bits, self.kv.group_size, 0)
+        out = []
+        for c, k in zip(caches, self.kinds):
+            if k == "full" and isinstance(c, BatchKVCache) and not hasattr(c, "bits"):
+                c = quantize_batch(c, self.kv.group_size, self.kv.bits)
+            elif k == "full" and type(c) is KVCache:
+                c = maybe_quantize([c], [k], now, 0)[0]
+            out.append(c)
+        return out
 
     # ---- decode ----------------------------------------------------------------------------
     @staticmethod
@@ -278,6 +303,9 @@ class Runner:
                 if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
         logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        if self.kv is not None and not self.merged:  # a lone adopted row converts as generate_step does
+            off = next((c.offset for c, k in zip(self.caches, self.kinds) if k == "full"), 0)
+            self.caches = maybe_quantize(self.caches, self.kinds, self.kv, int(off))
         rows = self.rows
         early = None
         late = "grammar_one_step_late" in self.faults  # planted bug: masks from the state before the last token

@@ -36,6 +36,8 @@ def run_serial(engine, live) -> None:
                 logits_processors=row.sampler.serial_processors(req.num_prompt_tokens - start) or None,
                 prefill_step_size=engine.prefill_chunk,
                 prompt_cache=cache,
+                **({"kv_bits": engine.kv_scheme.bits, "kv_group_size": engine.kv_scheme.group_size,
+                    "quantized_kv_start": engine.kv_scheme.start} if engine.kv_scheme else {}),
             )
             for tok, logprobs in gen:
                 if row.steps == 0:

@@ -160,3 +160,58 @@ def test_full_merge_and_cohort_roll_equal_mlx_lm_bit_for_bit(lengths):
         x, y = getattr(ours, a), getattr(ref, a)
         assert x.shape == y.shape and x.dtype == y.dtype and mx.array_equal(x, y).item(), a
     assert ours._idx == ref._idx
+
+
+# ---- quantized full attention (--kv-bits) --------------------------------------------------------
+QD = 64  # head dim: a multiple of the group size
+
+
+def q_solo(row: int, length: int, bits: int = 4):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    c = QuantizedKVCache(group_size=32, bits=bits)
+    for pos in range(length):
+        k = mx.random.normal((1, H, 1, QD), key=mx.random.key(row * 1000 + pos))
+        c.update_and_fetch(k, k * 0.5)
+    return c
+
+
+def q_same(a, b):
+    n = a.offset
+    return n == b.offset and all(mx.array_equal(x[..., :n, :], y[..., :n, :]).item()
+                                 for t in ("keys", "values") for x, y in zip(getattr(a, t), getattr(b, t)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_rows_survive_merge_extend_filter_and_cohort_roll_bit_for_bit(bits):
+    from mlxb.cache.quantized import BatchQuantizedKVCache
+
+    solos = [q_solo(r, n, bits) for r, n in enumerate([5, 3, 12, 0])]
+    ops = ROW_OPS["full"]
+    b = ops.to_batch(solos[:2])
+    assert isinstance(b, BatchQuantizedKVCache) and (b.bits, b.group_size) == (bits, 32)
+    b = ops.join_batch(b, ops.to_batch(solos[2:]), "extend")  # the longer cohort pads the batch
+    for i, s in enumerate(solos[:3]):
+        assert q_same(ops.extract(b, i), s), i
+    b = ops.filter(b, [2, 0])
+    assert q_same(ops.extract(b, 0), solos[2]) and q_same(ops.extract(b, 1), solos[0])
+    assert min(b.left_padding.tolist()) == 0  # filter trimmed the shared padding
+    merged = ops.join_batch(ops.to_batch([solos[1]]), ops.to_batch([solos[0]]), "merge")
+    assert q_same(ops.extract(merged, 0), solos[1]) and q_same(ops.extract(merged, 1), solos[0])
+    # a cohort step: right-padded suffixes rolled to left padding keep every row's tokens in order
+    c = ops.to_batch([q_solo(7, 6, bits), q_solo(8, 2, bits)])
+    suffix = [3, 5]
+    c.prepare(lengths=suffix, right_padding=[5 - n for n in suffix])
+    k = mx.random.normal((2, H, 5, QD), key=mx.random.key(3))
+    c.update_and_fetch(k, k)
+    c.finalize()
+    for i, (n0, n) in enumerate(zip([6, 2], suffix)):
+        row = ops.extract(c, i)
+        ref = q_solo(7 + i, n0, bits)
+        ref.update_and_fetch(k[i : i + 1, :, :n], k[i : i + 1, :, :n])
+        assert q_same(row, ref), i
+
+
+def test_quantized_and_plain_rows_never_share_a_layer():
+    with pytest.raises(ValueError, match="cannot share"):
+        ROW_OPS["full"].to_batch([q_solo(0, 3), kv_solo(1, 3)])

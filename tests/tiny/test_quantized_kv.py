@@ -1,0 +1,101 @@
+"""--kv-bits under batching: rows on the batch lane (alone or in a staggered batch) give exactly the
+tokens and logprob vectors of mlx-lm's own generate_step with the same kv_bits / group size / start."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlxb.cache.quantized import BatchQuantizedKVCache, KVScheme
+from mlxb.engine.engine import Engine
+from mlxb.engine.stream import OutputStream
+from mlxb.request import Request, SamplingParams
+
+GROUP = 32  # the tiny presets' head dimension is 32
+
+
+def reference(model, prompt, bits, start, n):
+    return [(int(t), np.array(lp.astype(mx.float32))) for t, lp in generate_step(
+        mx.array(prompt), model, max_tokens=n, kv_bits=bits, kv_group_size=GROUP, quantized_kv_start=start,
+        prefill_step_size=16)]
+
+
+def engine_rows(model, tok, prompts, arrive, bits, start, batch, n):
+    recs, seen = {}, {"quantized_batch": False}
+
+    def capture(rid, step, token, vec, geo):
+        recs.setdefault(rid, []).append((token, vec))
+
+    eng = Engine(model, tok, max_batch=batch, prefill_chunk=16, capture=capture, kv_scheme=KVScheme(bits, GROUP, start))
+    todo = list(enumerate(zip(prompts, arrive)))
+    k = 0
+    while todo or eng._live or eng._serial:
+        for i, (p, a) in list(todo):
+            if a == k:
+                r = Request(f"r{i}", p, n, SamplingParams(), ignore_eos=True)
+                r.mechanism = "continuous" if batch > 1 else "serial"
+                eng.accept(r, OutputStream(r.request_id))
+                todo.remove((i, (p, a)))
+        eng.iterate()
+        if eng.runner.merged and any(isinstance(c, BatchQuantizedKVCache) for c in eng.runner.caches):
+            seen["quantized_batch"] = True
+        k += 1
+    return [recs[f"r{i}"] for i in range(len(prompts))], seen, eng
+
+
+def same(a, b):
+    return [t for t, _ in a] == [t for t, _ in b] and all(np.array_equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return tiny_models("tiny-llama")[:2]
+
+
+@pytest.mark.parametrize("bits,start", [(8, 0), (4, 0), (4, 20)])
+@pytest.mark.parametrize("batch", [4, 1])
+def test_a_lone_row_equals_generate_step(llama, bits, start, batch):
+    model, tok = llama
+    p = np.random.default_rng(1).integers(5, 8000, size=30).tolist()
+    (ours,), _, _ = engine_rows(model, tok, [p], [0], bits, start, batch, 10)
+    assert same(ours, reference(model, p, bits, start, 10))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_staggered_batch_rows_equal_generate_step_row_by_row(llama, bits):
+    model, tok = llama
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, 8000, size=n).tolist() for n in (30, 17, 45)]
+    ours, seen, eng = engine_rows(model, tok, prompts, [0, 2, 4], bits, 0, 4, 10)
+    assert seen["quantized_batch"] and eng.counters["batched_steps"] > 0
+    for o, p in zip(ours, prompts):
+        assert same(o, reference(model, p, bits, 0, 10))
+
+
+def test_quantized_rows_cost_their_packed_bytes_at_admission(llama):
+    model, tok = llama
+    plain = Engine(model, tok, max_batch=64).projection.row_bytes(4096)
+    kv4 = Engine(model, tok, max_batch=64, kv_scheme=KVScheme(4, GROUP, 0)).projection.row_bytes(4096)
+    kv8 = Engine(model, tok, max_batch=64, kv_scheme=KVScheme(8, GROUP, 0)).projection.row_bytes(4096)
+    late = Engine(model, tok, max_batch=64, kv_scheme=KVScheme(4, GROUP, 8192)).projection.row_bytes(4096)
+    assert plain / kv4 >= 3.5 and plain / kv8 >= 1.8 and late == plain  # not converted before the start
+    budget = 10 * plain
+    assert budget // kv4 >= 3.5 * (budget // plain)
+
+
+def test_bad_kv_flags_are_clear_errors():
+    from mlxb.engine.build import build_gateway
+    from mlxb.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="head dimension"):
+        build_gateway("tiny-llama", kv_bits=4, kv_group_size=64, warmup=False)
+    with pytest.raises(ValidationError, match="--kv-bits 7"):
+        build_gateway("tiny-llama", kv_bits=7, warmup=False)
+
+
+def test_sliding_window_layers_stay_plain_and_the_batch_runs(tiny_models):
+    model, tok = tiny_models("tiny-gemma3")[:2]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 8000, size=n).tolist() for n in (70, 20, 90)]
+    ours, seen, eng = engine_rows(model, tok, prompts, [0, 1, 3], 8, 0, 4, 8)
+    assert seen["quantized_batch"] and all(len(o) == 8 for o in ours)
