@@ -162,8 +162,27 @@ def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_
     return caches
 
 
+def _run_alone(model, case: Case) -> dict:
+    """Quantized KV (``quant``): mlx-lm has no batched quantized cache, so every row runs alone through
+    mlx-lm's ``generate_step`` with the case's kv_bits / group size / start and prefill chunk."""
+    from mlx_lm.generate import generate_step
+
+    def greedy(lp):
+        return mx.argmax(lp, axis=-1)
+
+    records = {}
+    for r, spec in enumerate(case.rows):
+        records[str(r)] = [record(int(t), lp[None]) for t, lp in generate_step(
+            mx.array(spec.prompt), model, max_tokens=spec.max_tokens, sampler=greedy,
+            prefill_step_size=case.prefill_chunk, kv_bits=case.kv["bits"], kv_group_size=case.kv["group_size"],
+            quantized_kv_start=case.kv["start"])]
+    return {"records": records, "forwards": 0}
+
+
 def run_case(model, case: Case, tokenizer=None) -> dict:
     """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
+    if case.kv:
+        return _run_alone(model, case)
     rows = case.rows
     grammar = _Grammar(case, tokenizer)
     prompts: dict[int, list] = {}  # resolved when a row first prefills (linked rows need outputs)

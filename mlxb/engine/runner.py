@@ -57,7 +57,7 @@ def trim_allocator_cache() -> None:
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
-          "grammar_one_step_late")
+          "grammar_one_step_late", "kv_stale_scale")
 
 
 @dataclass
@@ -384,6 +384,10 @@ class Runner:
         if self.merged:
             trim = "no_filter_trim" not in self.faults
             self.caches = [ROW_OPS[k].filter(c, keep, trim) for k, c in zip(self.kinds, self.caches)]
+            if "kv_stale_scale" in self.faults and len(keep) > 1:  # planted bug: scales of the wrong rows
+                for c in self.caches:
+                    if hasattr(c, "bits") and c.keys is not None:
+                        c.keys = (c.keys[0], c.keys[1][::-1], c.keys[2])
         else:
             assert keep == [0]
         idx = mx.array(keep)

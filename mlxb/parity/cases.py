@@ -7,8 +7,8 @@ import hashlib
 
 import numpy as np
 
-from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, PREFIX_TRIMMABLE, Case, RowSpec, applies,
-                                  plan)
+from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, PREFIX_TRIMMABLE, QUANT_GROUP, Case, RowSpec,
+                                  applies, plan)
 
 
 def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -59,6 +59,10 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         j = make_case(model, dtype, "join", b, seed, vocab, window)
         return Case(model, dtype, "grammar", b, seed, j.rows, j.prefill_chunk, j.join_full,
                     grammar={"regex": GRAMMAR_REGEX, "rows": [r for r in GRAMMAR_ROWS if r < b]})
+    elif case == "quant":  # the join case's rows (staggered joins, retirements, filters) with quantized KV
+        j = make_case(model, dtype, "join", b, seed, vocab, window)
+        return Case(model, dtype, "quant", b, seed, j.rows, 16, j.join_full,
+                    kv={"bits": 4 if b % 2 else 8, "group_size": QUANT_GROUP, "start": 0})
     return Case(model, dtype, case, b, seed, rows, chunk, join_full)
 
 

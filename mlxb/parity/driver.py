@@ -24,10 +24,15 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
     def capture(rid: str, step: int, token: int, vec, geo) -> None:
         r = int(rid[1:])
         assert step == len(records[r]), (rid, step)
-        records[r].append(step_record(token, vec, geo))
+        records[r].append(step_record(token, vec, None if case.kv else geo))  # quant: the oracle's rows run alone
 
+    scheme = None
+    if case.kv:
+        from mlxb.cache.quantized import KVScheme
+
+        scheme = KVScheme(case.kv["bits"], case.kv["group_size"], case.kv["start"])
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,
-                 join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED)
+                 join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme)
     disk = tempfile.TemporaryDirectory() if case.prefix else None
     if case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
         from mlxb.cache.prompt_cache import PromptCache

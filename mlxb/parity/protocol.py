@@ -42,7 +42,7 @@ from typing import Optional
 
 import numpy as np
 
-CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar")
+CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant")
 GENERAL = ("static", "join", "leave", "extend", "merge", "burst", "grammar")
 # grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
 # where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
@@ -54,7 +54,12 @@ GRAMMAR_ROWS = (0, 2)
 PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
                     "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
 SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "latent": ("tiny-glm-mla",),
-           "prefix": tuple(PREFIX_TRIMMABLE)}
+           "prefix": tuple(PREFIX_TRIMMABLE), "quant": ("tiny-llama", "tiny-minicpm")}
+# quant (--kv-bits; presets whose every layer is full attention): the join case's rows with quantized KV,
+# KV4 at odd B and KV8 at even B, group 32, converted from the first chunk. mlx-lm has no batched
+# quantized cache, so the oracle runs each row alone through its generate_step with the same scheme and
+# chunking; the cache geometry is not compared (the oracle's rows are never padded).
+QUANT_GROUP = 32
 MIN_SHARED = 32  # the engine's default --prompt-cache min shared tokens for a follower
 SCHEMA = 2  # 2: whole prompts admitted in one iteration are prefilled together as a cohort
 
@@ -82,6 +87,8 @@ class Case:
     prefix: Optional[dict] = None
     # constrained decoding: {"regex": str, "rows": [row, ...]}; those rows sample under the regex's token mask
     grammar: Optional[dict] = None
+    # quantized KV: {"bits": int, "group_size": int, "start": int} (mlx-lm's kv_bits, kv_group_size, quantized_kv_start)
+    kv: Optional[dict] = None
 
     @property
     def key(self) -> str:
@@ -93,6 +100,8 @@ class Case:
             del d["prefix"]  # cases without the prompt cache keep their digests
         if d["grammar"] is None:
             del d["grammar"]
+        if d["kv"] is None:
+            del d["kv"]
         return d
 
     def regex(self, r: int) -> Optional[str]:
