@@ -279,3 +279,56 @@ def engine(
                       f"{s4(sj['whole_prefill_s'])} (every joiner's max gap: "
                       f"{', '.join(s4(j['max_gap_during_s']) for j in sj['joiners'])})")
     console.print(f"wrote {out}")
+
+
+@app.command("kv")
+@cli_errors
+def kv(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    kv_bits: str = typer.Option("8,4", "--kv-bits", help="Comma-separated schemes to compare with full width."),
+    kv_group_size: int = typer.Option(64, "--kv-group-size"),
+    batches: str = typer.Option("8,32", "--batches"),
+    context: int = typer.Option(1024, "--context", min=1, help="Prompt tokens per row in the decode arm."),
+    gen: int = typer.Option(64, "--gen", min=2),
+    repeats: int = typer.Option(2, "--repeats", min=1),
+    admit_context: int = typer.Option(4096, "--admit-context", min=1, help="Context of the admission count."),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """Quantized KV vs full width on our engine: rows admitted under one --kv-budget, decode tok/s (ratios)."""
+    from mlxb.bench.kv import run
+    from mlxb.doctor import report
+    from mlxb.errors import ValidationError
+    from mlxb.models import load_model
+
+    try:
+        bits = tuple(int(b) for b in kv_bits.split(","))
+        bs = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise ValidationError("--kv-bits and --batches take comma-separated integers, e.g. 8,4") from None
+    m, tok, spec, path = load_model(model, dtype)
+    with console.status("benchmarking ...") as status:
+        try:
+            res = run(m, tok, bits=bits, group_size=kv_group_size, batches=bs, context=context, gen=gen,
+                      repeats=repeats, admit_context=admit_context, progress=lambda s: status.update(f"benchmarking: {s}"))
+        except ValueError as e:
+            raise ValidationError(str(e), param="kv_group_size") from None
+    res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
+                     "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    t = Table(title=f"rows admitted under one --kv-budget at {admit_context} tokens — {spec.name}")
+    for c in ("scheme", "bytes per row", "rows", "vs full width"):
+        t.add_column(c)
+    for r in res["admission"]:
+        t.add_row(r["scheme"], f"{r['row_bytes']:,}", str(r["rows_admitted"]), f"{r['ratio_vs_full']:.2f}x")
+    console.print(t)
+    t = Table(title=f"decode tok/s at {context}-token rows (ratio = quantized / full width, same run)")
+    for c in ("B", "scheme", "full tok/s", "quantized tok/s", "ratio min", "ratio median", "ratio max"):
+        t.add_column(c)
+    for r in res["summary"]:
+        t.add_row(str(r["B"]), r["scheme"], f"{r['full_tps']:.1f}", f"{r['quant_tps']:.1f}", f"{r['ratio_min']:.3f}",
+                  f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
+    console.print(t)
+    out = out or Path("reports/results") / f"kv-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str))
+    console.print(f"wrote {out}")
