@@ -31,9 +31,10 @@ def serve(
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="SSD tier folder (default: $MLXB_HOME/prompt-cache)."),
     prompt_cache_disk_bytes: Optional[str] = typer.Option(None, "--prompt-cache-disk-bytes", help="SSD tier cap, e.g. 20GB (default 8GiB; 0 turns the SSD tier off)."),
     cudnn_attention: Optional[bool] = typer.Option(None, "--cudnn-attention/--no-cudnn-attention", help="CUDA only: prefill attention through cuDNN graphs (built once per new shape, ~1 s each on an H200) or MLX's own kernels. Default: MLX's own, unless MLX_CUDA_USE_CUDNN_SDPA is set."),
-    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Quantize the KV cache of full-attention layers to 4 or 8 bits (mlx-lm's name), also under batching. Turns the prompt cache off for now."),
+    kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Quantize the KV cache of full-attention layers to 4 or 8 bits (mlx-lm's name), also under batching; the prompt cache stores rows in that layout."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help="Quantization group size for --kv-bits (32, 64, 128)."),
     quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", help="A row's KV converts once it holds this many tokens (mlx-lm's meaning); under batching at the latest when the row shares a batch."),
+    kv_config: Optional[str] = typer.Option(None, "--kv-config", help='Per-layer KV quantization (JSON file), e.g. {"bits": 4, "layers": {"0": "none", "-1": "none"}}: first and last layers at full width, the others KV4. Batch lane only.'),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -51,7 +52,7 @@ def serve(
                            warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
                            prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention, kv_bits=kv_bits,
-                           kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+                           kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
@@ -66,12 +67,10 @@ def serve(
                   "rendered and calls come back as text")
     pc = gw.engine.prompt_cache
     if gw.engine.kv_scheme is not None:
-        k = gw.engine.kv_scheme
-        console.print(f"KV cache: {k.bits}-bit, group {k.group_size}, from token {k.start} (full-attention layers; "
-                      "sliding-window and recurrent layers stay unquantized)")
+        console.print(f"KV cache: {gw.engine.kv_scheme.name} (full-attention layers; sliding-window and recurrent "
+                      "layers stay unquantized)")
     if pc is None:
-        console.print("prompt cache: off" + ("" if prompt_cache and gw.engine.kv_scheme is None else
-                                             " (--no-prompt-cache)" if not prompt_cache else " (--kv-bits)"))
+        console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))
     else:
         disk = f"SSD {pc.disk.root} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
         console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "

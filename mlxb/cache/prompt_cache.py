@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, load_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache
 
 from mlxb.cache import snapshot as snap
 from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
@@ -196,9 +196,12 @@ class PromptCache:
         if len(layers) != len(self.kinds):
             raise ValueError(f"{len(layers)} layers, this model has {len(self.kinds)} (another model's file?)")
         for i, (c, k, shape) in enumerate(zip(layers, self.kinds, self._shapes)):
-            if not isinstance(c, _CLASSES[k]):
+            if k == "full" and isinstance(c, QuantizedKVCache):  # --kv-bits: heads and dtype (the namespace names the scheme)
+                if (c.keys[0].shape[1], str(c.keys[1].dtype)) != (shape[0], shape[3]):
+                    raise ValueError(f"layer {i} is a quantized cache of another shape (another model's file?)")
+            elif not isinstance(c, _CLASSES[k]):
                 raise ValueError(f"layer {i} is {type(c).__name__}, expected a {k} cache (another model's file?)")
-            if self._layer_shape(c, k) != shape:
+            elif self._layer_shape(c, k) != shape:
                 raise ValueError(f"layer {i} has shapes {self._layer_shape(c, k)}, this model needs {shape}")
             if k != "ssm" and c.offset != num_tokens:
                 raise ValueError(f"layer {i} holds {c.offset} tokens, the header says {num_tokens}")

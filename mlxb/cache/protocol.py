@@ -225,11 +225,15 @@ def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjectio
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxb.cache.quantized import as_plan
+
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
+    plan = as_plan(scheme, len(caches))
     layers = []
-    for c, kind in zip(caches, kinds):
+    for i, (c, kind) in enumerate(zip(caches, kinds)):
+        scheme = plan.layers[i] if plan is not None else None
         if kind in ("full", "latent", "rotating"):
             per_tok = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
             window = c.max_size if kind == "rotating" else None

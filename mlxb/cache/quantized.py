@@ -196,13 +196,17 @@ def quantize_batch(b: BatchKVCache, group_size: int, bits: int) -> BatchQuantize
     return q
 
 
-def maybe_quantize(caches: list, kinds: list, scheme: Optional["KVScheme"], offset: int) -> list:
+def maybe_quantize(caches: list, kinds: list, plan, offset: int) -> list:
     """mlx-lm's ``maybe_quantize_kv_cache`` for one row's single-row caches: full-attention layers
-    convert once ``offset`` (the row's tokens so far) reaches the scheme's start."""
-    if scheme is None or offset < scheme.start:
+    that the plan quantizes convert once ``offset`` (the row's tokens so far) reaches its start."""
+    if plan is None:
         return caches
-    return [c.to_quantized(group_size=scheme.group_size, bits=scheme.bits)
-            if k == "full" and type(c) is KVCache else c for c, k in zip(caches, kinds)]
+    plan = as_plan(plan, len(caches))
+    if offset < plan.start:
+        return caches
+    return [c.to_quantized(group_size=s.group_size, bits=s.bits)
+            if s is not None and k == "full" and type(c) is KVCache else c
+            for c, k, s in zip(caches, kinds, plan.layers)]
 
 
 class KVScheme:
@@ -226,3 +230,73 @@ class KVScheme:
         def one(d):
             return heads * (d * self.bits // 8 + 2 * (d // self.group_size) * dtype_bytes)
         return one(dk) + one(dv)
+
+
+class KVPlan:
+    """Per-layer schemes: ``layers[i]`` is layer i's ``KVScheme`` or None (full width). ``--kv-bits``
+    is the uniform plan; ``--kv-config FILE`` gives a per-layer map (JSON):
+
+        {"bits": 4, "group_size": 64, "start": 0, "layers": {"0": "none", "-1": "none", "5": 8}}
+
+    ``layers`` overrides the default per layer index (negative counts from the end): "none" keeps the
+    layer at full width, an integer sets its bits. Every row uses the server's plan (fixed at start-up),
+    so rows of different schemes never share a layer buffer."""
+
+    def __init__(self, layers: list, start: int = 0):
+        self.layers, self.start = list(layers), start
+
+    @property
+    def uniform(self) -> Optional[KVScheme]:
+        """The one scheme when every layer has the same one, else None."""
+        first = self.layers[0] if self.layers else None
+        same = all((s is None) == (first is None) and (s is None or (s.bits, s.group_size) == (first.bits, first.group_size))
+                   for s in self.layers)
+        return first if same else None
+
+    @property
+    def name(self) -> str:
+        u = self.uniform
+        if u is not None:
+            return u.name
+        parts = ["full" if s is None else f"kv{s.bits}g{s.group_size}" for s in self.layers]
+        return f"per-layer[{','.join(parts)}]s{self.start}"
+
+    @classmethod
+    def from_file(cls, path: str, num_layers: int) -> "KVPlan":
+        import json
+
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--kv-config {path}: cannot read it as JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--kv-config {path}: the file must hold a JSON object")
+        unknown = set(cfg) - {"bits", "group_size", "start", "layers"}
+        if unknown:
+            raise ValueError(f"--kv-config {path}: unknown key(s) {', '.join(sorted(unknown))}; "
+                             "keys: bits, group_size, start, layers")
+        group, start = int(cfg.get("group_size", 64)), int(cfg.get("start", 0))
+        default = KVScheme(int(cfg["bits"]), group, start) if cfg.get("bits") is not None else None
+        layers = [default] * num_layers
+        for key, v in (cfg.get("layers") or {}).items():
+            try:
+                i = int(key)
+            except ValueError:
+                raise ValueError(f"--kv-config {path}: layer key {key!r} is not an integer index") from None
+            if not -num_layers <= i < num_layers:
+                raise ValueError(f"--kv-config {path}: layer {i} is outside this model's {num_layers} layers")
+            if v == "none" or v is None:
+                layers[i] = None
+            elif isinstance(v, int) and not isinstance(v, bool):
+                layers[i] = KVScheme(v, group, start)
+            else:
+                raise ValueError(f"--kv-config {path}: layer {key} must be \"none\" or a bit width, got {v!r}")
+        return cls(layers, start)
+
+
+def as_plan(scheme, num_layers: int) -> Optional[KVPlan]:
+    """A ``KVScheme`` (--kv-bits) as the uniform plan; a ``KVPlan`` as is."""
+    if scheme is None or isinstance(scheme, KVPlan):
+        return scheme
+    return KVPlan([scheme] * num_layers, scheme.start)

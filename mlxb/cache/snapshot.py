@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 REUSE = {
     "full": "any prefix length (trimmed)",
@@ -32,7 +32,19 @@ def _fresh(a):
     return None if a is None else a[...]
 
 
+def _packed(cache, n: int, copy_arrays: bool) -> QuantizedKVCache:
+    """A quantized layer (--kv-bits) holding its first ``n`` tokens: packed values, scales, biases."""
+    out = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    if cache.keys is not None and n > 0:
+        take = (lambda a: mx.contiguous(a[..., :n, :])) if copy_arrays else (lambda a: a[..., :n, :])
+        out.keys, out.values = tuple(take(a) for a in cache.keys), tuple(take(a) for a in cache.values)
+        out.offset = n
+    return out
+
+
 def snapshot(cache, kind: str):
+    if isinstance(cache, QuantizedKVCache):
+        return _packed(cache, cache.offset, True)
     if kind in ("full", "latent"):
         out = KVCache()
         if cache.keys is not None and cache.offset > 0:
@@ -46,6 +58,10 @@ def snapshot(cache, kind: str):
 
 def lend(cache, kind: str, n):
     """A new single-row cache holding the first ``n`` tokens (None: all) of ``cache``."""
+    if isinstance(cache, QuantizedKVCache):
+        n = cache.offset if n is None else n
+        assert 0 <= n <= cache.offset, (n, cache.offset)
+        return _packed(cache, n, False)  # views: the row's first write grows into a fresh buffer
     if kind in ("full", "latent"):
         out = KVCache()
         n = cache.offset if n is None else n
@@ -66,6 +82,8 @@ def lend(cache, kind: str, n):
 
 
 def arrays(cache) -> list:
+    if isinstance(cache, QuantizedKVCache):
+        return [] if cache.keys is None else list(cache.keys) + list(cache.values)
     if isinstance(cache, (KVCache, RotatingKVCache)):
         return [a for a in (cache.keys, cache.values) if a is not None]
     return [a for a in getattr(cache, "cache", []) if a is not None]

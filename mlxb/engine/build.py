@@ -46,7 +46,8 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
                        memory_limit=int(0.75 * device_memory()),
                        max_entries=max_entries,
                        disk_dir=disk_dir or (mlxb_home() / "prompt-cache"),
-                       disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes)
+                       disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes,
+                       kv_scheme=engine.kv_scheme.name if engine.kv_scheme is not None else "none")
 
 
 CUDNN_SDPA_ENV = "MLX_CUDA_USE_CUDNN_SDPA"
@@ -79,7 +80,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   prompt_cache_bytes: Optional[int] = None, prompt_cache_size: Optional[int] = None,
                   prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: Optional[int] = None,
                   cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                  quantized_kv_start: int = 0, **engine_kw) -> Gateway:
+                  quantized_kv_start: int = 0, kv_config: Optional[str] = None, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     scheme = None
     if kv_bits is not None:
@@ -91,8 +92,23 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             from mlxb.errors import ValidationError
 
             raise ValidationError(str(e), param="kv_bits") from None
-        prompt_cache = False  # NOTE: snapshots are not stored in the packed layout yet (issue 14)
     m, tok, spec, path = load_model(model, dtype)
+    if kv_config is not None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from mlxb.cache.quantized import KVPlan
+        from mlxb.errors import ValidationError
+
+        if kv_bits is not None:
+            raise ValidationError("give --kv-bits or --kv-config, not both (the file has its own default bits)",
+                                  param="kv_config")
+        if batch < 2:
+            raise ValidationError("a per-layer --kv-config needs the batch lane (--batch 2 or more); --batch 1 "
+                                  "runs mlx-lm's generate_step, which quantizes every layer alike", param="kv_config")
+        try:
+            scheme = KVPlan.from_file(kv_config, len(make_prompt_cache(m)))
+        except ValueError as e:
+            raise ValidationError(str(e), param="kv_config") from None
     try:
         engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
                         context_limit=context_limit(m), kv_scheme=scheme, **engine_kw)

@@ -73,8 +73,10 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.kinds = layer_kinds(model)
         self.batchable = all(k is not None for k in self.kinds)
-        self.kv_scheme = kv_scheme  # mlxb.cache.quantized.KVScheme (--kv-bits) or None
-        self.projection = kv_projection(model, self.kinds, kv_scheme) if self.batchable else None
+        from mlxb.cache.quantized import as_plan
+
+        self.kv_scheme = as_plan(kv_scheme, len(self.kinds))  # mlxb.cache.quantized.KVPlan or None
+        self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(

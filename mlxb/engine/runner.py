@@ -33,7 +33,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
-from mlxb.cache.quantized import maybe_quantize
+from mlxb.cache.quantized import as_plan, maybe_quantize
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler
 from mlxb.request import Request, TokenLogprob
@@ -95,7 +95,7 @@ class Runner:
     ):
         self.model = model
         self.kinds = kinds
-        self.kv = kv_scheme  # mlxb.cache.quantized.KVScheme (--kv-bits) or None
+        self.kv = as_plan(kv_scheme, len(kinds))  # mlxb.cache.quantized.KVPlan (--kv-bits / --kv-config) or None
         self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
         self.capture = capture
         self.faults = faults
@@ -268,13 +268,12 @@ class Runner:
             return caches
         from mlxb.cache.quantized import KVScheme, quantize_batch
 
-        now = KVScheme(self.kv.bits, self.kv.group_size, 0)
         out = []
-        for c, k in zip(caches, self.kinds):
-            if k == "full" and isinstance(c, BatchKVCache) and not hasattr(c, "bits"):
-                c = quantize_batch(c, self.kv.group_size, self.kv.bits)
-            elif k == "full" and type(c) is KVCache:
-                c = maybe_quantize([c], [k], now, 0)[0]
+        for c, k, s in zip(caches, self.kinds, self.kv.layers):
+            if s is not None and k == "full" and isinstance(c, BatchKVCache) and not hasattr(c, "bits"):
+                c = quantize_batch(c, s.group_size, s.bits)
+            elif s is not None and k == "full" and type(c) is KVCache:
+                c = maybe_quantize([c], [k], KVScheme(s.bits, s.group_size, 0), 0)[0]
             out.append(c)
         return out
 

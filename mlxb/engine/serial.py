@@ -36,8 +36,7 @@ def run_serial(engine, live) -> None:
                 logits_processors=row.sampler.serial_processors(req.num_prompt_tokens - start) or None,
                 prefill_step_size=engine.prefill_chunk,
                 prompt_cache=cache,
-                **({"kv_bits": engine.kv_scheme.bits, "kv_group_size": engine.kv_scheme.group_size,
-                    "quantized_kv_start": engine.kv_scheme.start} if engine.kv_scheme else {}),
+                **(_kv_args(engine.kv_scheme) if engine.kv_scheme else {}),
             )
             for tok, logprobs in gen:
                 if row.steps == 0:
@@ -61,3 +60,11 @@ def run_serial(engine, live) -> None:
 
 def _wants_vec(engine, req: Request) -> bool:
     return engine.runner.capture is not None or req.sampling.logprobs or req.sampling.top_logprobs > 0
+
+
+def _kv_args(plan) -> dict:
+    """mlx-lm's generate_step quantizes every layer alike: only a uniform plan runs on this path."""
+    s = plan.uniform
+    if s is None:
+        raise ValueError("a per-layer --kv-config needs the batch lane (--batch 2 or more)")
+    return {"kv_bits": s.bits, "kv_group_size": s.group_size, "quantized_kv_start": plan.start}

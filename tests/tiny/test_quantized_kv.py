@@ -99,3 +99,109 @@ def test_sliding_window_layers_stay_plain_and_the_batch_runs(tiny_models):
     prompts = [rng.integers(5, 8000, size=n).tolist() for n in (70, 20, 90)]
     ours, seen, eng = engine_rows(model, tok, prompts, [0, 1, 3], 8, 0, 4, 8)
     assert seen["quantized_batch"] and all(len(o) == 8 for o in ours)
+
+
+def test_per_layer_plan_quantizes_only_the_layers_it_names(llama, tmp_path):
+    """--kv-config: the first layer at full width, the others KV4; a uniform file equals --kv-bits."""
+    import json
+
+    from mlxb.cache.quantized import KVPlan
+
+    model, tok = llama
+    n = len(model.layers)
+    cfg = tmp_path / "kv.json"
+    assert n >= 2
+    cfg.write_text(json.dumps({"bits": 4, "group_size": GROUP, "layers": {"0": "none"}}))
+    plan = KVPlan.from_file(str(cfg), n)
+    assert [s is None for s in plan.layers] == [True] + [False] * (n - 1) and plan.uniform is None
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, 8000, size=k).tolist() for k in (30, 17, 45)]
+    ours, seen, eng = engine_rows_plan(model, tok, prompts, [0, 2, 4], plan, 4, 10)
+    kinds = [type(c).__name__ for c in eng.last_caches]
+    assert kinds[0] != "BatchQuantizedKVCache" and all(k == "BatchQuantizedKVCache" for k in kinds[1:])
+    full = Engine(model, tok, max_batch=4).projection.row_bytes(1024)
+    kv4 = Engine(model, tok, max_batch=4, kv_scheme=KVScheme(4, GROUP, 0)).projection.row_bytes(1024)
+    mixed = eng.projection.row_bytes(1024)
+    assert kv4 < mixed < full
+    # a uniform file is --kv-bits: the same tokens and logprobs
+    cfg.write_text(json.dumps({"bits": 8, "group_size": GROUP}))
+    a, _, _ = engine_rows_plan(model, tok, prompts, [0, 2, 4], KVPlan.from_file(str(cfg), n), 4, 10)
+    b, _, _ = engine_rows(model, tok, prompts, [0, 2, 4], 8, 0, 4, 10)
+    assert all(same(x, y) for x, y in zip(a, b))
+
+
+def engine_rows_plan(model, tok, prompts, arrive, plan, batch, n):
+    recs = {}
+
+    def capture(rid, step, token, vec, geo):
+        recs.setdefault(rid, []).append((token, vec))
+
+    eng = Engine(model, tok, max_batch=batch, prefill_chunk=16, capture=capture, kv_scheme=plan)
+    todo = list(enumerate(zip(prompts, arrive)))
+    k, eng.last_caches = 0, None
+    while todo or eng._live:
+        for i, (p, a) in list(todo):
+            if a == k:
+                r = Request(f"r{i}", p, n, SamplingParams(), ignore_eos=True)
+                eng.accept(r, OutputStream(r.request_id))
+                todo.remove((i, (p, a)))
+        eng.iterate()
+        if eng.runner.merged:
+            eng.last_caches = list(eng.runner.caches)
+        k += 1
+    return [recs[f"r{i}"] for i in range(len(prompts))], None, eng
+
+
+@pytest.mark.parametrize("text,match", [
+    ("not json", "cannot read it as JSON"),
+    ('{"bits": 4, "layers": {"99": "none"}}', "outside this model"),
+    ('{"bits": 4, "layers": {"1": "half"}}', "must be"),
+    ('{"bits": 4, "colour": 1}', "unknown key"),
+])
+def test_bad_kv_config_files_name_the_problem(tmp_path, text, match):
+    from mlxb.engine.build import build_gateway
+    from mlxb.errors import ValidationError
+
+    f = tmp_path / "kv.json"
+    f.write_text(text)
+    with pytest.raises(ValidationError, match=match):
+        build_gateway("tiny-llama", kv_config=str(f), warmup=False)
+
+
+def test_prompt_cache_stores_and_serves_quantized_rows(llama, tmp_path):
+    """--kv-bits with the prompt cache: a repeat hits len-1 tokens and gives the first run's tokens and
+    logprobs; so does a hit restored from the SSD tier; a follow-up turn extends a retired row."""
+    from mlxb.cache.prompt_cache import PromptCache
+
+    model, tok = llama
+    recs = {}
+
+    def capture(rid, step, token, vec, geo):
+        recs.setdefault(rid, []).append((token, vec))
+
+    eng = Engine(model, tok, max_batch=4, prefill_chunk=16, capture=capture, kv_scheme=KVScheme(4, GROUP, 0))
+    pc = PromptCache(model, eng.kinds, max_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30,
+                     kv_scheme=eng.kv_scheme.name)
+    eng.attach_prompt_cache(pc)
+    assert "kv=kv4g32s0" in pc.namespace
+
+    def ask(rid, prompt, n=8):
+        r = Request(rid, prompt, n, SamplingParams(), ignore_eos=True)
+        eng.accept(r, OutputStream(rid))
+        while eng._live:
+            eng.iterate()
+        return r
+
+    p = np.random.default_rng(5).integers(5, 8000, size=40).tolist()
+    first = ask("a", p)
+    again = ask("b", p)
+    assert first.cached_tokens == 0 and again.cached_tokens == len(p) - 1
+    assert same(recs["a"], recs["b"])
+    pc.spill_all()
+    assert pc.disk.flush() and pc.nbytes == 0
+    third = ask("c", p)  # from the SSD tier: packed arrays saved and loaded back
+    assert third.cached_tokens == len(p) - 1 and same(recs["a"], recs["c"])
+    turn2 = p + [t for t, _ in recs["a"]] + [11, 12, 13]
+    nxt = ask("d", turn2)
+    assert nxt.cached_tokens >= len(p) + 7  # prompt + output of the retired row (its last token is re-fed)
+    pc.ram.check_integrity()
