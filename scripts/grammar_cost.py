@@ -34,7 +34,7 @@ def q(xs, p):
 
 def run(model, tok, grammars, B, steps, constrained, every=1):
     spent = [0.0]
-    orig_bitmask, orig_apply = Constraint.bitmask, Constraint.apply
+    orig_apply = Constraint.apply
 
     def timed(fn):
         def w(*a, **k):
