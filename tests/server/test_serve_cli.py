@@ -43,3 +43,40 @@ def test_mlxb_serve_process_serves_and_drains_on_sigterm():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_mlxb_serve_with_quantized_kv_and_a_bad_group_size(tmp_path):
+    """--kv-bits from the command line: /stats names the scheme, a constrained request answers; a group
+    size that does not divide the head dimension exits with a message naming the fix."""
+    bad = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "serve", "--kv-bits", "4", "--port", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "group size" in (bad.stdout + bad.stderr)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port), "--kv-bits", "4",
+                             "--kv-group-size", "32", "--prompt-cache-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() - t0 < 60, "server did not come up"
+            time.sleep(0.2)
+        assert httpx.get(url + "/stats").json()["engine"]["kv_scheme"] == "kv4g32s0"
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+                "structured_outputs": {"choice": ["alpha", "beta"]}}
+        for _ in range(2):  # the second one is a prompt-cache hit on packed rows
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("alpha", "beta")
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
