@@ -196,6 +196,19 @@ def quantize_batch(b: BatchKVCache, group_size: int, bits: int) -> BatchQuantize
     return q
 
 
+def quantize_now(caches: list, kinds: list, plan: "KVPlan") -> list:
+    """Every full-attention layer the plan quantizes, converted now whatever its offset (a row that
+    shares a batch: quantized and plain rows never share a layer buffer)."""
+    out = []
+    for c, k, s in zip(caches, kinds, plan.layers):
+        if s is not None and k == "full" and isinstance(c, BatchKVCache) and not hasattr(c, "bits"):
+            c = quantize_batch(c, s.group_size, s.bits)
+        elif s is not None and k == "full" and type(c) is KVCache:
+            c = c.to_quantized(group_size=s.group_size, bits=s.bits)
+        out.append(c)
+    return out
+
+
 def maybe_quantize(caches: list, kinds: list, plan, offset: int) -> list:
     """mlx-lm's ``maybe_quantize_kv_cache`` for one row's single-row caches: full-attention layers
     that the plan quantizes convert once ``offset`` (the row's tokens so far) reaches its start."""

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
 from mlxb.engine.delivery import Delivery, Live
+from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
@@ -29,15 +30,6 @@ from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.engine.trace import IterationTrace
 from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
-
-
-MAX_REQUEUES = 2  # out-of-memory prefills a request may retry before it fails
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """MLX raises RuntimeError with the allocator's message ("out of memory", cudaMalloc...)."""
-    msg = str(e).lower()
-    return "out of memory" in msg or "outofmemory" in msg or "insufficient memory" in msg
 
 
 def freeze_heap() -> None:
@@ -331,9 +323,9 @@ class Engine:
                 continue  # failed or requeued earlier in this iteration (a split leader's second chunk)
             if chunk in cohort:
                 if chunk is cohort[0]:
-                    self._prefill_cohort(cohort)
+                    prefill_cohort(self, cohort)
             else:
-                self._prefill(chunk)
+                prefill_one(self, chunk)
         if out.prefills:
             r.timing["prefill_s"] += time.perf_counter() - t_prefill
             r.timing["prefill_iterations"] += 1
@@ -370,87 +362,3 @@ class Engine:
                     s.on_finished(rid, status)
                 self.trace.mark("retire")
             r.timing["deliver_s"] += time.perf_counter() - t_deliver
-
-    def _prefill_failed(self, failed: list, e: Exception) -> None:
-        """Out of device memory (often transient: cached prefixes, allocator buffers, or another
-        process on the device): free what the engine holds and put the rows back at the head of
-        the queue, up to ``MAX_REQUEUES`` times each, instead of failing them. Rows of the same
-        iteration that fail after it (a follower whose leader was requeued) go back too. Any other
-        error fails only these rows."""
-        oom = is_out_of_memory(e) or self._requeued_this_iteration
-        if not self._requeued_this_iteration:
-            self.reuse.after_device_error(e)  # evicts the RAM tier on memory errors, clears MLX's cache
-        for chunk, live in failed:
-            if oom and live.req.requeues < MAX_REQUEUES:
-                live.req.requeues += 1
-                live.row = None
-                self.scheduler.requeue(chunk.request_id)
-                self.counters["requeued"] += 1
-                self._requeued_this_iteration = True
-                continue
-            self.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
-            self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
-
-    def _prefill(self, chunk) -> None:
-        live = self._live[chunk.request_id]
-        row = live.row
-        try:
-            if not row.seeded:
-                if chunk.start > 0:
-                    row.solo = self.reuse.seed(row.req, chunk.start)
-                row.seeded = True
-            self.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
-            self.trace.mark("chunk")
-            self.scheduler.on_prefill_chunk(chunk)
-            self.reuse.boundary_snapshot(row, chunk)
-            self.trace.mark("snapshot")
-            if not chunk.is_last:
-                return
-            em = self.runner.first_token(row)
-            self.trace.mark("token0")
-        except Exception as e:  # a prefill error rejects only the joiner (or requeues it: memory)
-            self._prefill_failed([(chunk, live)], e)
-            return
-        live.req.timings.prefill_done = time.perf_counter()
-        status = self.delivery.deliver(em)
-        if status is None:
-            self.runner.join(row, em.token)
-            self.scheduler.on_joined(chunk.request_id)
-            self.trace.mark("join")
-        else:  # finished at token 0: never joins
-            if self.reuse.keeps(row.req, status):
-                self.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
-            self.scheduler.on_finished(chunk.request_id, status)
-
-    def _prefill_cohort(self, chunks) -> None:
-        lives = [self._live[c.request_id] for c in chunks]
-        rows = [lv.row for lv in lives]
-        try:
-            for c, row in zip(chunks, rows):
-                if c.start > 0:  # starts from a cached prefix
-                    row.solo = self.reuse.seed(row.req, c.start)
-                row.seeded = True
-            self.trace.mark("seed")
-            caches, emitted = self.runner.prefill_cohort(rows, [c.start for c in chunks], self.reuse.cohort_snapshot(rows))
-            self.trace.mark("cohort")
-        except Exception as e:  # a prefill error rejects only the joiners (or requeues them: memory)
-            self._prefill_failed(list(zip(chunks, lives)), e)
-            return
-        keep, tokens, ended = [], [], {}
-        now = time.perf_counter()
-        for i, (c, lv, em) in enumerate(zip(chunks, lives, emitted)):
-            self.scheduler.on_prefill_chunk(c)
-            lv.req.timings.prefill_done = now
-            tokens.append(em.token)
-            status = self.delivery.deliver(em)
-            if status is None:
-                keep.append(i)
-            else:
-                ended[c.request_id] = status
-        self.runner.join_cohort(caches, rows, tokens, keep)
-        self.trace.mark("join")
-        for i, c in enumerate(chunks):
-            if i in keep:
-                self.scheduler.on_joined(c.request_id)
-            else:  # finished at token 0: never joins
-                self.scheduler.on_finished(c.request_id, ended[c.request_id])

@@ -19,7 +19,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.cache.prefix import PrefixMatch
-from mlxb.engine.runner import trim_allocator_cache
+from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.request import Request, RequestStatus
 
 

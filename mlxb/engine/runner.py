@@ -30,30 +30,14 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
-from mlxb.cache.quantized import as_plan, maybe_quantize
+from mlxb.cache.quantized import as_plan, maybe_quantize, quantize_now
+from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler
 from mlxb.request import Request, TokenLogprob
-
-_SLACK: list = []
-
-
-def trim_allocator_cache() -> None:
-    """Give MLX's cached free buffers back to the device only when they exceed a slack (an eighth of
-    the allocator's memory limit, at least 1 GiB). mlx-lm clears after every prefill chunk; on CUDA
-    one clear of a cohort's transient buffers took 20-30 ms on an H200 (``scripts/cohort_cost.py``)
-    and the next step paid again to allocate them. Allocation never changes values: no parity effect."""
-    if not _SLACK:
-        try:
-            _SLACK.append(max(1 << 30, int(mx.get_memory_limit()) // 8))
-        except Exception:
-            _SLACK.append(1 << 30)
-    if mx.get_cache_memory() > _SLACK[0]:
-        mx.clear_cache()
-
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
@@ -261,21 +245,7 @@ class Runner:
         self._align()
 
     def _quantized(self, caches: list) -> list:
-        """With --kv-bits, every full-attention layer of a merged batch is quantized: a row whose
-        offset has not reached --quantized-kv-start converts when it shares a batch (an adopted
-        lone row converts exactly where mlx-lm's generate_step does)."""
-        if self.kv is None:
-            return caches
-        from mlxb.cache.quantized import KVScheme, quantize_batch
-
-        out = []
-        for c, k, s in zip(caches, self.kinds, self.kv.layers):
-            if s is not None and k == "full" and isinstance(c, BatchKVCache) and not hasattr(c, "bits"):
-                c = quantize_batch(c, s.group_size, s.bits)
-            elif s is not None and k == "full" and type(c) is KVCache:
-                c = maybe_quantize([c], [k], KVScheme(s.bits, s.group_size, 0), 0)[0]
-            out.append(c)
-        return out
+        return caches if self.kv is None else quantize_now(caches, self.kinds, self.kv)
 
     # ---- decode ----------------------------------------------------------------------------
     @staticmethod
@@ -307,14 +277,14 @@ class Runner:
             self.caches = maybe_quantize(self.caches, self.kinds, self.kv, int(off))
         rows = self.rows
         early = None
+        cons = [i for i, r in enumerate(rows) if r.sampler.constraint is not None]
         late = "grammar_one_step_late" in self.faults  # planted bug: masks from the state before the last token
-        if not late and any(p is not None for p in self.pending) and any(r.sampler.constraint is not None for r in rows):
+        if cons and not late and any(p is not None for p in self.pending):
             # NOTE: a grammar row's mask for this step needs the token it sampled in the last one. The
             # forward is launched first; last step's tokens are read and emitted (matchers advance)
             # while it runs, then the masked sampling is built. Without grammar rows nothing changes.
             mx.async_eval(logits)
             early = self._emit_pending(inputs, self.pending, self.pending_geo)
-        cons = [i for i, r in enumerate(rows) if r.sampler.constraint is not None]
         if cons:  # every grammar row's mask in one device op (llguidance fills them in parallel)
             logits = apply_row_masks(logits, [rows[i].sampler.constraint for i in cons], cons)
         if all(r.plain or (r.req.sampling.is_plain_greedy and r.sampler.constraint is not None) for r in rows):

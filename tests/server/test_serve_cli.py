@@ -18,22 +18,27 @@ def free_port():
     return port
 
 
+def wait_healthy(proc, port: int) -> str:
+    """The server's base URL once /health answers 200 (the process must stay up meanwhile)."""
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t0 < 60, "server did not come up"
+        time.sleep(0.2)
+
+
 def test_mlxb_serve_process_serves_and_drains_on_sigterm():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
-        url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - t0 < 60, "server did not come up"
-            time.sleep(0.2)
+        url = wait_healthy(proc, port)
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGTERM)
@@ -56,17 +61,7 @@ def test_mlxb_serve_with_quantized_kv_and_a_bad_group_size(tmp_path):
                              "--kv-group-size", "32", "--prompt-cache-dir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
-        url = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - t0 < 60, "server did not come up"
-            time.sleep(0.2)
+        url = wait_healthy(proc, port)
         assert httpx.get(url + "/stats").json()["engine"]["kv_scheme"] == "kv4g32s0"
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
                 "structured_outputs": {"choice": ["alpha", "beta"]}}

@@ -96,7 +96,7 @@ def test_a_row_ending_at_token_zero_keeps_the_engine_alive(cache, tiny_models, t
 
 
 def test_memory_pressure_and_an_out_of_memory_prefill_give_cache_memory_back(tiny_models):
-    from mlxb.engine.engine import MAX_REQUEUES
+    from mlxb.engine.prefill import MAX_REQUEUES
 
     model, tok, _, _ = tiny_models("tiny-llama")
     eng = Engine(model, tok, max_batch=4)

@@ -1,0 +1,108 @@
+"""Joiner prefill on the engine thread: a row's chunk alone, a cohort of whole prompts, and what a
+failed prefill does (out of device memory: requeue; anything else: fail only those rows).
+
+Functions of the engine (``eng``): they use its runner, scheduler, prompt-cache glue, delivery and
+trace, and run inside an iteration under the device lock.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mlxb.errors import EngineFailure
+from mlxb.request import RequestStatus
+
+MAX_REQUEUES = 2  # out-of-memory prefills a request may retry before it fails
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """MLX raises RuntimeError with the allocator's message ("out of memory", cudaMalloc...)."""
+    msg = str(e).lower()
+    return "out of memory" in msg or "outofmemory" in msg or "insufficient memory" in msg
+
+
+def prefill_failed(eng, failed: list, e: Exception) -> None:
+    """Out of device memory (often transient: cached prefixes, allocator buffers, or another
+    process on the device): free what the engine holds and put the rows back at the head of
+    the queue, up to ``MAX_REQUEUES`` times each, instead of failing them. Rows of the same
+    iteration that fail after it (a follower whose leader was requeued) go back too. Any other
+    error fails only these rows."""
+    oom = is_out_of_memory(e) or eng._requeued_this_iteration
+    if not eng._requeued_this_iteration:
+        eng.reuse.after_device_error(e)  # evicts the RAM tier on memory errors, clears MLX's cache
+    for chunk, live in failed:
+        if oom and live.req.requeues < MAX_REQUEUES:
+            live.req.requeues += 1
+            live.row = None
+            eng.scheduler.requeue(chunk.request_id)
+            eng.counters["requeued"] += 1
+            eng._requeued_this_iteration = True
+            continue
+        eng.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
+        eng.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
+
+def prefill_one(eng, chunk) -> None:
+    """One joiner's prefill chunk alone; its last chunk samples token 0 and joins the batch."""
+    live = eng._live[chunk.request_id]
+    row = live.row
+    try:
+        if not row.seeded:
+            if chunk.start > 0:
+                row.solo = eng.reuse.seed(row.req, chunk.start)
+            row.seeded = True
+        eng.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
+        eng.trace.mark("chunk")
+        eng.scheduler.on_prefill_chunk(chunk)
+        eng.reuse.boundary_snapshot(row, chunk)
+        eng.trace.mark("snapshot")
+        if not chunk.is_last:
+            return
+        em = eng.runner.first_token(row)
+        eng.trace.mark("token0")
+    except Exception as e:  # a prefill error rejects only the joiner (or requeues it: memory)
+        prefill_failed(eng, [(chunk, live)], e)
+        return
+    live.req.timings.prefill_done = time.perf_counter()
+    status = eng.delivery.deliver(em)
+    if status is None:
+        eng.runner.join(row, em.token)
+        eng.scheduler.on_joined(chunk.request_id)
+        eng.trace.mark("join")
+    else:  # finished at token 0: never joins
+        if eng.reuse.keeps(row.req, status):
+            eng.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
+        eng.scheduler.on_finished(chunk.request_id, status)
+
+def prefill_cohort(eng, chunks) -> None:
+    """Whole uncached prompts admitted together: one batched prefill, then they join together."""
+    lives = [eng._live[c.request_id] for c in chunks]
+    rows = [lv.row for lv in lives]
+    try:
+        for c, row in zip(chunks, rows):
+            if c.start > 0:  # starts from a cached prefix
+                row.solo = eng.reuse.seed(row.req, c.start)
+            row.seeded = True
+        eng.trace.mark("seed")
+        caches, emitted = eng.runner.prefill_cohort(rows, [c.start for c in chunks], eng.reuse.cohort_snapshot(rows))
+        eng.trace.mark("cohort")
+    except Exception as e:  # a prefill error rejects only the joiners (or requeues them: memory)
+        prefill_failed(eng, list(zip(chunks, lives)), e)
+        return
+    keep, tokens, ended = [], [], {}
+    now = time.perf_counter()
+    for i, (c, lv, em) in enumerate(zip(chunks, lives, emitted)):
+        eng.scheduler.on_prefill_chunk(c)
+        lv.req.timings.prefill_done = now
+        tokens.append(em.token)
+        status = eng.delivery.deliver(em)
+        if status is None:
+            keep.append(i)
+        else:
+            ended[c.request_id] = status
+    eng.runner.join_cohort(caches, rows, tokens, keep)
+    eng.trace.mark("join")
+    for i, c in enumerate(chunks):
+        if i in keep:
+            eng.scheduler.on_joined(c.request_id)
+        else:  # finished at token 0: never joins
+            eng.scheduler.on_finished(c.request_id, ended[c.request_id])
