@@ -293,6 +293,8 @@ def kv(
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
     admit_context: int = typer.Option(4096, "--admit-context", min=1, help="Context of the admission count."),
+    prefill_chunk: int = typer.Option(2048, "--prefill-chunk", min=16),
+    quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", min=0),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Quantized KV vs full width on our engine: rows admitted under one --kv-budget, decode tok/s (ratios)."""
@@ -310,7 +312,9 @@ def kv(
     with console.status("benchmarking ...") as status:
         try:
             res = run(m, tok, bits=bits, group_size=kv_group_size, batches=bs, context=context, gen=gen,
-                      repeats=repeats, admit_context=admit_context, progress=lambda s: status.update(f"benchmarking: {s}"))
+                      repeats=repeats, admit_context=admit_context, prefill_chunk=prefill_chunk,
+                      kv_start=quantized_kv_start,
+                      progress=lambda s: status.update(f"benchmarking: {s}"))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_group_size") from None
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,

@@ -66,4 +66,11 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-32} --output-len 128 --repeats ${REPEATS:-2} --ttft-threshold 2.0 2>&1 | tail -24
     mlxb report reports/results --out "$OUT/agents-h200.html" && mlxb report reports/results --out "$OUT/agents-h200.md"
     tar czf "$OUT/agents-results.tgz" reports/results ;;
+  kv)  # quantized KV: decode tok/s of KV8/KV4 against full width at long context (our engine; mlx-lm has no batched quantized KV)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench kv -m /var/tmp/$m --kv-bits 8,4 --batches ${BATCHES:-32} --context ${CONTEXT:-8192} \
+      --gen ${GEN:-64} --repeats ${REPEATS:-2} --prefill-chunk ${CHUNK:-8192} --quantized-kv-start ${KV_START:-0} --out "$OUT/kv-$m.json" 2>&1 | grep -v Warning | tail -20
+    MLX_CUDA_USE_CUDNN_SDPA=0 python3 scripts/kv_attention_cost.py /var/tmp/$m --context ${CONTEXT:-8192} --batches ${BATCHES:-32} \
+      --out "$OUT/kv-attention-$m.json" 2>&1 | grep -v Warning ;;
 esac

@@ -20,6 +20,8 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxb.cache.quantized import QuantizedRowCache
+
 REUSE = {
     "full": "any prefix length (trimmed)",
     "latent": "any prefix length (trimmed)",
@@ -33,8 +35,10 @@ def _fresh(a):
 
 
 def _packed(cache, n: int, copy_arrays: bool) -> QuantizedKVCache:
-    """A quantized layer (--kv-bits) holding its first ``n`` tokens: packed values, scales, biases."""
-    out = QuantizedKVCache(group_size=cache.group_size, bits=cache.bits)
+    """A quantized layer (--kv-bits) holding its first ``n`` tokens: packed values, scales, biases.
+    Stored copies are mlx-lm's class (the SSD tier saves and loads by class name); lent ones read
+    like the engine's rows (``QuantizedRowCache``)."""
+    out = (QuantizedKVCache if copy_arrays else QuantizedRowCache)(group_size=cache.group_size, bits=cache.bits)
     if cache.keys is not None and n > 0:
         take = (lambda a: mx.contiguous(a[..., :n, :])) if copy_arrays else (lambda a: a[..., :n, :])
         out.keys, out.values = tuple(take(a) for a in cache.keys), tuple(take(a) for a in cache.values)

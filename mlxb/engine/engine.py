@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
+from mlxb.cache.quantized import kv_reads
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
@@ -160,6 +161,7 @@ class Engine:
             **self.counters,
             "attention_kernels": self.attention_kernels,
             "kv_scheme": self.kv_scheme.name if self.kv_scheme else "none",
+            "kv_reads": kv_reads() if self.kv_scheme else None,
             "step_timing": self.step_timing(),
             "prompt_cache": self.prompt_cache_stats(),
         }

@@ -33,7 +33,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
-from mlxb.cache.quantized import as_plan, maybe_quantize, quantize_now
+from mlxb.cache.quantized import as_plan, check_plan, maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler
@@ -79,7 +79,7 @@ class Runner:
     ):
         self.model = model
         self.kinds = kinds
-        self.kv = as_plan(kv_scheme, len(kinds))  # mlxb.cache.quantized.KVPlan (--kv-bits / --kv-config) or None
+        self.kv = check_plan(as_plan(kv_scheme, len(kinds)), kinds)  # KVPlan (--kv-bits / --kv-config) or None
         self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
         self.capture = capture
         self.faults = faults

@@ -28,6 +28,8 @@ def run_serial(engine, live) -> None:
             cache, start, status = None, 0, None
             if engine.prompt_cache is not None and req.cache_prompt:
                 cache, start = engine.reuse.serial_prefill(req, row)
+            if engine.kv_scheme is not None:
+                cache = row_caches(engine.model, cache)
             gen = generate_step(
                 mx.array(req.prompt_ids[start:], dtype=mx.uint32),
                 engine.model,
@@ -68,3 +70,20 @@ def _kv_args(plan) -> dict:
     if s is None:
         raise ValueError("a per-layer --kv-config needs the batch lane (--batch 2 or more)")
     return {"kv_bits": s.bits, "kv_group_size": s.group_size, "quantized_kv_start": plan.start}
+
+
+def row_caches(model, cache):
+    """Where quantized reads need whole buffers, mlx-lm's ``maybe_quantize_kv_cache`` must convert
+    plain layers into ``QuantizedRowCache``s; elsewhere the caches are left as they are."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from mlxb.cache.quantized import RowKVCache, whole_buffer_reads
+
+    if not whole_buffer_reads():
+        return cache
+    cache = cache if cache is not None else make_prompt_cache(model)
+    for c in cache:
+        if type(c) is KVCache:
+            c.__class__ = RowKVCache
+    return cache
+

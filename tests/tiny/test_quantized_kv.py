@@ -72,6 +72,51 @@ def test_staggered_batch_rows_equal_generate_step_row_by_row(llama, bits):
         assert same(o, reference(model, p, bits, 0, 10))
 
 
+@pytest.fixture
+def whole_buffer(monkeypatch):
+    """The read MLX's CUDA backend needs (its quantized matmul refuses strided slices), forced on this CPU."""
+    import mlxb.cache.quantized as q
+
+    monkeypatch.setattr(q, "_WHOLE", True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_whole_buffer_reads_change_no_bit(llama, monkeypatch, bits):
+    """Reading the whole packed buffer with the unwritten tail masked adds exact zeros: a staggered batch
+    (one row past a 256-token buffer step, joiners padded against it) gives the strided read's tokens and
+    logprob vectors bit for bit, and a lone row (batch lane and serial lane) is mlx-lm's generate_step."""
+    import mlxb.cache.quantized as q
+
+    model, tok = llama
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(5, 8000, size=n).tolist() for n in (300, 17, 45)]
+    runs = {}
+    for whole in (False, True):
+        monkeypatch.setattr(q, "_WHOLE", whole)
+        runs[whole], seen, eng = engine_rows(model, tok, prompts, [0, 2, 4], bits, 20, 4, 10)
+        assert seen["quantized_batch"] and eng.counters["batched_steps"] > 0
+    assert all(same(a, b) for a, b in zip(runs[False], runs[True]))
+    assert same(runs[True][0], reference(model, prompts[0], bits, 20, 10))  # the first row is never padded
+    assert q.whole_buffer_reads()
+    (alone,), _, eng = engine_rows(model, tok, prompts[1:2], [0], bits, 0, 1, 10)
+    assert eng.counters["serial_requests"] == 1 and same(alone, reference(model, prompts[1], bits, 0, 10))
+    c = q.QuantizedRowCache(group_size=GROUP, bits=bits)
+    k = mx.ones((1, 2, 5, 32))
+    keys, _ = c.update_and_fetch(k, k)
+    assert keys[0].shape[2] == 256 and c.make_mask(1).shape == (1, 256)  # the whole buffer, and a mask as wide
+
+
+def test_whole_buffer_reads_refuse_a_mixed_per_layer_plan(llama, whole_buffer):
+    from mlxb.cache.quantized import KVPlan
+
+    model, tok = llama
+    n = len(model.layers)
+    plan = KVPlan([None] + [KVScheme(4, GROUP, 0)] * (n - 1))
+    with pytest.raises(ValueError, match="reads whole KV buffers"):
+        Engine(model, tok, max_batch=4, kv_scheme=plan)
+    Engine(model, tok, max_batch=4, kv_scheme=KVPlan([KVScheme(4, GROUP, 0)] * n))  # uniform: fine
+
+
 def test_quantized_rows_cost_their_packed_bytes_at_admission(llama):
     model, tok = llama
     plain = Engine(model, tok, max_batch=64).projection.row_bytes(4096)
