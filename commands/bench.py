@@ -31,28 +31,40 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
     from mlxb.bench import servers
     from mlxb.bench.features import Target, run_matrix
     from mlxb.bench.store import labels, write_run
+    from mlxb.errors import ValidationError
 
-    started, targets = [], []
-    try:
-        with console.status("starting servers ..."):
-            if base_url:
-                targets.append(Target("mlxb", base_url, str(path), f"external {base_url}"))
-            else:
-                srv = servers.start("mlxb", str(path), batch=batch)
-                started.append(srv)
-                targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags)))
-            if peer:
-                srv = servers.start(peer, str(path), batch=batch)
-                started.append(srv)
-                targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
-        with progress() as prog:
-            task = prog.add_task("load", total=None)
-            req_rows, summ_rows = run_matrix(
-                matrix, targets, tok, vocab, scale=scale, cells=cells,
-                progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total))
-    finally:
-        for srv in started:
-            srv.stop()
+    chosen = [c for c in matrix.cells if not cells or c.name in cells]
+    groups: dict[tuple, list[str]] = {}
+    for c in chosen:  # cells that need other server flags get their own server starts
+        groups.setdefault(tuple(c.server_args), []).append(c.name)
+    if base_url and any(groups.keys() - {()}):
+        raise ValidationError("cells with server_args (" + ", ".join(c.name for c in chosen if c.server_args)
+                              + ") need servers this command starts; leave out --base-url or those cells")
+    req_rows, summ_rows = [], []
+    with progress() as prog:
+        task = prog.add_task("load", total=None)
+        for extra, names in groups.items():
+            started, targets = [], []
+            try:
+                prog.update(task, description=f"starting servers {' '.join(extra)}".rstrip())
+                if base_url:
+                    targets.append(Target("mlxb", base_url, str(path), f"external {base_url}"))
+                else:
+                    srv = servers.start("mlxb", str(path), batch=batch, extra=extra)
+                    started.append(srv)
+                    targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags)))
+                if peer:
+                    srv = servers.start(peer, str(path), batch=batch, extra=extra)
+                    started.append(srv)
+                    targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
+                rq, sm = run_matrix(
+                    matrix, targets, tok, vocab, scale=scale, cells=names,
+                    progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total))
+                req_rows += rq
+                summ_rows += sm
+            finally:
+                for srv in started:
+                    srv.stop()
     lab = labels(spec.name, dtype or spec.dtype, bench_name)
     out = write_run(Path("reports/results"), lab, req_rows, summ_rows)
     _print_summary(summ_rows)

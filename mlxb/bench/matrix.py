@@ -13,7 +13,7 @@ from mlxb.errors import ValidationError
 DATASETS = {"random": {"input_len"}, "shared-prefix": {"system_len", "question_len"},
             "mixed": {"short_len", "long_len"}, "multi-turn": {"system_len", "turn_len"}}
 GATES = {"top_logprobs_5", "json_schema_valid"}
-CELL_KEYS = {"name", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
+CELL_KEYS = {"name", "server_args", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
              "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups",
              "turn_len", "turns"}
 DEFAULT_KEYS = {"concurrency", "requests_per_slot", "output_len", "repeats"}
@@ -32,6 +32,11 @@ class Cell:
     requests_per_slot: int = 2
     output_len: int = 64
     requests: Optional[int] = None  # fixed request count per level (bench load); else concurrency x per-slot
+    server_args: list = field(default_factory=list)  # flags every stack starts with for this cell
+
+
+# server flags a cell may set: both stacks take them under the same name and meaning
+SERVER_ARGS = {"--kv-bits", "--kv-group-size", "--quantized-kv-start"}
 
 
 @dataclass
@@ -95,9 +100,16 @@ def parse(path: Path | str, text: Optional[str] = None) -> Matrix:
         params = raw.get("params", {})
         if not isinstance(params, dict):
             raise ValidationError(f"{where}: params must be a table of request fields")
+        args = raw.get("server_args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ValidationError(f"{where}: server_args must be a list of strings, e.g. [\"--kv-bits\", \"4\"]")
+        named = [a for a in args if a.startswith("--")]
+        if set(named) - SERVER_ARGS:
+            raise ValidationError(f"{where}: server_args {', '.join(sorted(set(named) - SERVER_ARGS))} not allowed; "
+                                  f"a cell may set {', '.join(sorted(SERVER_ARGS))} (both stacks take them)")
         cells.append(Cell(name, ds, lengths, raw.get("description", ""), params, list(raw.get("needs", [])), gates,
                           conc, int(raw.get("requests_per_slot", d.get("requests_per_slot", 2))),
-                          int(raw.get("output_len", d.get("output_len", 64)))))
+                          int(raw.get("output_len", d.get("output_len", 64))), server_args=list(args)))
     if not cells:
         raise ValidationError(f"{path}: no [[cell]] entries")
     return Matrix(str(path), cells, int(d.get("repeats", 2)))

@@ -63,7 +63,12 @@ class Server:
 
 
 def command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int,
-            prompt_cache_dir: Optional[str] = None) -> list[str]:
+            prompt_cache_dir: Optional[str] = None, extra: tuple = ()) -> list[str]:
+    return _base_command(stack, model_path, port, batch, prefill_step, max_tokens, prompt_cache_dir) + list(extra)
+
+
+def _base_command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int,
+                  prompt_cache_dir: Optional[str]) -> list[str]:
     if stack == "mlxb":
         # NOTE: a private SSD tier per start unless one is given: a benchmark never hits an earlier run's files
         return [sys.executable, "-m", "mlxb.commands.main", "serve", "--model", model_path, "--port", str(port),
@@ -78,9 +83,9 @@ def command(stack: str, model_path: str, port: int, batch: int, prefill_step: in
 
 
 def start(stack: str, model_path: str, *, batch: int = 8, prefill_step: int = 2048, max_tokens: int = 512,
-          ready_timeout: float = 300.0, prompt_cache_dir: Optional[str] = None) -> Server:
+          ready_timeout: float = 300.0, prompt_cache_dir: Optional[str] = None, extra: tuple = ()) -> Server:
     port = free_port()
-    cmd = command(stack, model_path, port, batch, prefill_step, max_tokens, prompt_cache_dir)
+    cmd = command(stack, model_path, port, batch, prefill_step, max_tokens, prompt_cache_dir, extra)
     log = tempfile.NamedTemporaryFile("w", prefix=f"mlxb-bench-{stack}-", suffix=".log", delete=False)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

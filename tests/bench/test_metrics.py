@@ -57,8 +57,9 @@ def test_knee_stops_at_first_breach():
 
 def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
-    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json"]
+    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json", "kv4"]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
+    assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4"]]
     bad = tmp_path / "m.toml"
     cases = [
         ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\n\n[[cell]]\nname = "b"\ndataset = "random"\nfoo = 1\n',
@@ -68,6 +69,8 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
         ('[[cell]]\nname = "a"\ndataset = "rand"\n', "dataset 'rand' is not one of"),
         ('[[cell]\nname = "a"\n', "line 1"),
         ('[defaults]\nrepeats = 2\n', "no \\[\\[cell\\]\\] entries"),
+        ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nserver_args = ["--batch", "1"]\n',
+         "server_args --batch not allowed"),
     ]
     for text, msg in cases:
         bad.write_text(text)
@@ -128,3 +131,11 @@ def test_verdict_indistinguishable_when_ci_straddles_one(tmp_path):
             for i, (a, b) in enumerate([(10, 11), (12, 10), (11, 12)]) for st, v in (("mlxb", a), ("mlx-lm", b))]
     ab = ab_table(pd.DataFrame(rows), pd.DataFrame())
     assert ab[0]["tps_verdict"] == "indistinguishable"
+
+
+def test_cell_server_args_reach_both_stacks():
+    from mlxb.bench.servers import command
+
+    for stack in ("mlxb", "mlx-lm"):
+        cmd = command(stack, "/m", 1234, 8, 2048, 64, "/tmp/pc", ("--kv-bits", "4"))
+        assert cmd[-2:] == ["--kv-bits", "4"] and "--port" in cmd
