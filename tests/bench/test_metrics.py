@@ -59,7 +59,7 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
     assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json", "kv4"]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
-    assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4"]]
+    assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"]]
     bad = tmp_path / "m.toml"
     cases = [
         ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\n\n[[cell]]\nname = "b"\ndataset = "random"\nfoo = 1\n',
