@@ -9,7 +9,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlxb.models import load_model
 from mlxb.cache.protocol import AlignedBatchKVCache
-from mlxb.cache.quantized import quantize_batch, kv_reads
+from mlxb.cache.quantized import quantize_batch
+from mlxb.cache.quantized_read import kv_reads
 m, tok, spec, _ = load_model(sys.argv[1]); B = int(sys.argv[2]); ctx = int(sys.argv[3])
 print("kv reads", kv_reads(), flush=True)
 ids = mx.random.randint(3, 8000, (ctx,))

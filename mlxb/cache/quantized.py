@@ -9,11 +9,8 @@ extracted after any sequence of joins and filters is bit-for-bit the one that we
 layers take mlx-lm's quantized path (``quantized_scaled_dot_product_attention``) because the cache has
 ``bits`` and ``group_size``; the mask is ``BatchKVCache``'s, and none when the batch is aligned.
 
-Backends whose quantized matmul needs row-contiguous packed arrays (MLX's CUDA backend: a strided
-slice of the buffer, as mlx-lm reads it, has "no implementation") read the whole buffer instead, and
-the mask hides the unwritten tail (``whole_buffer_reads``; a one-time probe, ``MLXB_KV_WHOLE_BUFFER=1``
-forces it). Masked keys add exact zeros to the softmax and the weighted sum. Single-row quantized
-layers are ``QuantizedRowCache``: mlx-lm's ``QuantizedKVCache`` with that read.
+Where the backend's quantized matmul refuses a strided slice (MLX's CUDA backend), layers read their
+whole buffer with the tail masked: see ``mlxb/cache/quantized_read.py``.
 
 Conversion follows mlx-lm's ``maybe_quantize_kv_cache``: a single-row ``KVCache`` becomes a
 ``QuantizedKVCache`` (``to_quantized``) at a prefill chunk end once its offset reaches
@@ -22,14 +19,13 @@ Conversion follows mlx-lm's ``maybe_quantize_kv_cache``: a single-row ``KVCache`
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxb.cache.protocol import AlignedBatchKVCache, roll_rows
+from mlxb.cache.quantized_read import QuantizedRowCache, as_row, contiguous, hide_tail, whole_buffer_reads, width_after
 
 
 def _tmap(fn, t):
@@ -44,86 +40,6 @@ def _pad_rows(t, left: int, right: int = 0):
 
 def _zeros_like_row(t, width: int):
     return tuple(mx.zeros((1, a.shape[1], width, a.shape[3]), dtype=a.dtype) for a in t)
-
-
-_WHOLE: Optional[bool] = None
-
-
-def whole_buffer_reads() -> bool:
-    """True where ``mx.quantized_matmul`` refuses a strided slice of packed keys (probed once)."""
-    global _WHOLE
-    if _WHOLE is None:
-        forced = os.environ.get("MLXB_KV_WHOLE_BUFFER")
-        _WHOLE = forced == "1" if forced in ("0", "1") else _strided_reads_fail()
-    return _WHOLE
-
-
-def kv_reads() -> str:
-    """How quantized layers hand keys and values to attention here (shown in /stats)."""
-    return "whole-buffer" if whole_buffer_reads() else "strided"
-
-
-def _strided_reads_fail() -> bool:
-    if mx.default_device().type == mx.DeviceType.cpu:
-        return False
-    w = mx.quantize(mx.ones((1, 2, 64, 64)), group_size=64, bits=8)
-    try:
-        mx.eval(mx.quantized_matmul(mx.ones((1, 2, 1, 64)), *(a[..., :33, :] for a in w), transpose=True,
-                                    group_size=64, bits=8))
-        return False
-    except (RuntimeError, ValueError):
-        return True
-
-
-def _width_after(width: Optional[int], prev: int, n: int, step: int) -> int:
-    """The buffer width once ``n`` tokens are written at ``prev`` (mlx-lm's growth rule)."""
-    grow = (step + n - 1) // step * step
-    if width is None:
-        return grow
-    if prev + n <= width:
-        return width
-    return (prev if prev % step else width) + grow
-
-
-def _hide_tail(mask: mx.array, width: int) -> mx.array:
-    extra = width - mask.shape[-1]
-    if extra <= 0:
-        return mask
-    return mx.concatenate([mask, mx.zeros(mask.shape[:-1] + (extra,), dtype=mx.bool_)], axis=-1)
-
-
-def _whole(t):
-    return tuple(mx.contiguous(a) for a in t)
-
-
-class QuantizedRowCache(QuantizedKVCache):
-    """A single-row quantized layer: mlx-lm's ``QuantizedKVCache``, reading whole buffers where the
-    backend needs it (see the module notes); otherwise exactly mlx-lm's."""
-
-    def update_and_fetch(self, keys, values):
-        out = super().update_and_fetch(keys, values)
-        if not whole_buffer_reads():
-            return out
-        self.keys, self.values = _whole(self.keys), _whole(self.values)
-        return self.keys, self.values
-
-    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
-        if not whole_buffer_reads():
-            return super().make_mask(N, return_array=return_array, window_size=window_size, **kwargs)
-        width = _width_after(None if self.keys is None else self.keys[0].shape[-2], self.offset, N, self.step)
-        return _hide_tail(create_causal_mask(N, self.offset, window_size=window_size), width)
-
-
-class RowKVCache(KVCache):
-    """mlx-lm's ``KVCache`` whose ``to_quantized`` gives a ``QuantizedRowCache`` (the serial path)."""
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
-        return as_row(super().to_quantized(group_size=group_size, bits=bits))
-
-
-def as_row(c: QuantizedKVCache) -> QuantizedRowCache:
-    c.__class__ = QuantizedRowCache  # the same arrays and fields; only the read differs
-    return c
 
 
 class BatchQuantizedKVCache(AlignedBatchKVCache):
@@ -164,15 +80,15 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
             self.keys[i][..., prev:self._idx, :] = qk[i]
             self.values[i][..., prev:self._idx, :] = qv[i]
         if whole_buffer_reads():
-            self.keys, self.values = _whole(self.keys), _whole(self.values)
+            self.keys, self.values = contiguous(self.keys), contiguous(self.values)
             return self.keys, self.values
         return self.keys_and_values()
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         if not whole_buffer_reads():
             return super().make_mask(N, return_array=return_array, **kwargs)
-        width = _width_after(None if self.keys is None else self.keys[0].shape[2], self._idx, N, self.step)
-        return _hide_tail(BatchKVCache.make_mask(self, N, return_array=True, **kwargs), width)
+        width = width_after(None if self.keys is None else self.keys[0].shape[2], self._idx, N, self.step)
+        return hide_tail(BatchKVCache.make_mask(self, N, return_array=True, **kwargs), width)
 
     def keys_and_values(self):
         return _tmap(lambda a: a[..., : self._idx, :], self.keys), _tmap(lambda a: a[..., : self._idx, :], self.values)

@@ -20,7 +20,7 @@ import copy
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from mlxb.cache.quantized import QuantizedRowCache
+from mlxb.cache.quantized_read import QuantizedRowCache
 
 REUSE = {
     "full": "any prefix length (trimmed)",

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
-from mlxb.cache.quantized import kv_reads
+from mlxb.cache.quantized_read import kv_reads
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse

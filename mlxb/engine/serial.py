@@ -77,7 +77,7 @@ def row_caches(model, cache):
     plain layers into ``QuantizedRowCache``s; elsewhere the caches are left as they are."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from mlxb.cache.quantized import RowKVCache, whole_buffer_reads
+    from mlxb.cache.quantized_read import RowKVCache, whole_buffer_reads
 
     if not whole_buffer_reads():
         return cache

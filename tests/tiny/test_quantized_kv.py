@@ -75,7 +75,7 @@ def test_staggered_batch_rows_equal_generate_step_row_by_row(llama, bits):
 @pytest.fixture
 def whole_buffer(monkeypatch):
     """The read MLX's CUDA backend needs (its quantized matmul refuses strided slices), forced on this CPU."""
-    import mlxb.cache.quantized as q
+    import mlxb.cache.quantized_read as q
 
     monkeypatch.setattr(q, "_WHOLE", True)
 
@@ -85,7 +85,7 @@ def test_whole_buffer_reads_change_no_bit(llama, monkeypatch, bits):
     """Reading the whole packed buffer with the unwritten tail masked adds exact zeros: a staggered batch
     (one row past a 256-token buffer step, joiners padded against it) gives the strided read's tokens and
     logprob vectors bit for bit, and a lone row (batch lane and serial lane) is mlx-lm's generate_step."""
-    import mlxb.cache.quantized as q
+    import mlxb.cache.quantized_read as q
 
     model, tok = llama
     rng = np.random.default_rng(5)
