@@ -24,6 +24,7 @@ from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, Ro
                                   make_prompt_cache, save_prompt_cache, trim_prompt_cache)
 
 from mlxb.parity.protocol import Case, plan, step_record
+from oracle.quantized import QBatch, QRow, convert
 
 
 class _Grammar:
@@ -69,12 +70,12 @@ def record(token: int, logprobs: mx.array, geo=None) -> dict:
 
 
 def _geo_layer(caches: list):
-    """Index of the first plain full-attention (or latent) layer, or None."""
-    return next((i for i, c in enumerate(caches) if type(c) is KVCache), None)
+    """Index of the first plain full-attention (or latent) layer, or None (quantized ones count)."""
+    return next((i for i, c in enumerate(caches) if type(c) in (KVCache, QRow)), None)
 
 
 def _geometry(c) -> list:
-    if type(c) is KVCache:
+    if type(c) in (KVCache, QRow):
         return [(int(c.offset), 0)]
     return [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
 
@@ -82,7 +83,7 @@ def _geometry(c) -> list:
 def _join(batch: list, solo: list, full_op: str) -> list:
     out = []
     for b, s in zip(batch, solo):
-        if isinstance(s, RotatingKVCache) or (isinstance(s, KVCache) and full_op == "merge"):
+        if isinstance(s, RotatingKVCache) or (isinstance(s, (KVCache, QRow)) and full_op == "merge"):
             rows = [b.extract(i) for i in range(len(b.offset))]
             out.append(type(s).merge(rows + [s]))  # re-merge every row's temporal view
         else:  # full / latent extend, SSM state concatenation
@@ -94,7 +95,7 @@ def _join(batch: list, solo: list, full_op: str) -> list:
 def _join_batch(batch: list, cohort: list, full_op: str) -> list:
     out = []
     for b, c in zip(batch, cohort):
-        if isinstance(c, BatchRotatingKVCache) or (type(c) is BatchKVCache and full_op == "merge"):
+        if isinstance(c, BatchRotatingKVCache) or (type(c) in (BatchKVCache, QBatch) and full_op == "merge"):
             rows = [x.extract(i) for x in (b, c) for i in range(len(x.offset))]
             out.append(type(c).merge(rows))
         else:
@@ -110,6 +111,8 @@ def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: d
     the batch's own ``extract``."""
     ppb = PromptProcessingBatch(model, list(rows), [caches[r] for r in rows], prefill_step_size=case.prefill_chunk)
     ppb.prompt([prompts[r][starts[r]:-1] for r in rows])
+    if case.kv:  # every body has run: convert before the held-back step (the single-stream rule)
+        ppb.prompt_cache = convert(ppb.prompt_cache, case.kv, min(len(prompts[r]) - 1 for r in rows))
     for i, r in enumerate(rows):
         n = len(prompts[r]) - 1
         if it is not None and [r, n] in it.snaps:
@@ -162,27 +165,8 @@ def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_
     return caches
 
 
-def _run_alone(model, case: Case) -> dict:
-    """Quantized KV (``quant``): mlx-lm has no batched quantized cache, so every row runs alone through
-    mlx-lm's ``generate_step`` with the case's kv_bits / group size / start and prefill chunk."""
-    from mlx_lm.generate import generate_step
-
-    def greedy(lp):
-        return mx.argmax(lp, axis=-1)
-
-    records = {}
-    for r, spec in enumerate(case.rows):
-        records[str(r)] = [record(int(t), lp[None]) for t, lp in generate_step(
-            mx.array(spec.prompt), model, max_tokens=spec.max_tokens, sampler=greedy,
-            prefill_step_size=case.prefill_chunk, kv_bits=case.kv["bits"], kv_group_size=case.kv["group_size"],
-            quantized_kv_start=case.kv["start"])]
-    return {"records": records, "forwards": 0}
-
-
 def run_case(model, case: Case, tokenizer=None) -> dict:
     """Returns ``{"records": {row: [step records]}, "forwards": n}``."""
-    if case.kv:
-        return _run_alone(model, case)
     rows = case.rows
     grammar = _Grammar(case, tokenizer)
     prompts: dict[int, list] = {}  # resolved when a row first prefills (linked rows need outputs)
@@ -213,11 +197,15 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
                 solo[r] = _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model)
             if ch.end > ch.start:
                 model(mx.array(prompt(r)[ch.start : ch.end])[None], cache=solo[r])
+                if case.kv:  # generate_step converts after each prefill chunk
+                    solo[r] = convert(solo[r], case.kv, ch.end)
                 mx.eval([c.state for c in solo[r]])
             if [r, ch.end] in it.snaps:
                 store[(r, ch.end)] = copy.deepcopy(solo[r])
             if ch.is_last:
                 logits = model(mx.array(prompt(r)[-1:], dtype=mx.uint32)[None], cache=solo[r])[:, -1, :]
+                if case.kv:
+                    solo[r] = convert(solo[r], case.kv, len(prompt(r)))
                 if r in grammar:
                     tok, lp = grammar.pick(r, logits)
                 else:
@@ -256,6 +244,8 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
             assert batch == it.forward, (batch, it.forward)
             inputs = mx.array([last_tok[r] for r in batch], dtype=mx.uint32)[:, None]
             logits = model(inputs, cache=caches)[:, -1, :]
+            if case.kv and not merged:  # a lone row converts after each step, as generate_step does
+                caches = convert(caches, case.kv, next(int(c.offset) for c in caches if hasattr(c, "offset")))
             lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             toks = mx.argmax(lp, axis=-1)
             mx.eval(toks, lp)

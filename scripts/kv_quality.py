@@ -4,7 +4,8 @@ Usage: python scripts/kv_quality.py MODEL [MODEL ...] [--tokens 2048] [--chunk 6
 
 One random token sequence per model is fed in ``--chunk``-token steps (as a long prefill or a run of
 decode steps would be) through the model with a full-width ``KVCache`` and with mlx-lm's
-``QuantizedKVCache`` at 8 and 4 bits (converted from the first chunk, as ``--quantized-kv-start 0``).
+``QuantizedKVCache`` at 8 and 4 bits (converted from the first chunk, as ``--quantized-kv-start 0``;
+sliding-window layers as mlxb's ``QuantizedRotatingKVCache``).
 Per position it compares the two next-token distributions: mean and p99 KL(full || quantized) and
 top-1 agreement. The synthetic presets have random weights, so the numbers describe the numerics of
 the cache, not the quality of a trained model.
@@ -19,6 +20,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxb.cache.protocol import layer_kinds
+from mlxb.cache.kv_plan import KVPlan, KVScheme, fit_plan
+from mlxb.cache.quantized import maybe_quantize
 from mlxb.models import load_model
 
 
@@ -68,15 +72,22 @@ def logprobs_roundtrip(model, tokens: list[int], chunk: int, bits: int, group: i
     return np.concatenate(out)
 
 
-def logprobs(model, tokens: list[int], chunk: int, bits, group: int) -> np.ndarray:
-    caches = make_prompt_cache(model)
+def plan_for(model, bits: int, group: int, sliding: bool = True):
+    """Every quantizable layer at ``bits`` (``sliding=False``: sliding-window layers kept full), with
+    the engine's own adjustments (Gemma 4's KV-shared sources stay full)."""
+    kinds = layer_kinds(model)
+    s = KVScheme(bits, group, 0)
+    return fit_plan(KVPlan([None if (k == "rotating" and not sliding) else s for k in kinds], 0), model)
+
+
+def logprobs(model, tokens: list[int], chunk: int, plan, group: int) -> np.ndarray:
+    caches, kinds = make_prompt_cache(model), layer_kinds(model)
     out = []
     for s in range(0, len(tokens), chunk):
         logits = model(mx.array(tokens[s : s + chunk])[None], cache=caches)[0].astype(mx.float32)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if bits is not None:  # mlx-lm's maybe_quantize_kv_cache after each step
-            caches = [c.to_quantized(group_size=group, bits=bits) if hasattr(c, "to_quantized") and
-                      type(c).__name__ == "KVCache" else c for c in caches]
+        if plan is not None:  # converted after each step, as mlx-lm's maybe_quantize_kv_cache (rings too)
+            caches = maybe_quantize(caches, kinds, plan, s + chunk)
         mx.eval(lp, [c.state for c in caches])
         out.append(np.array(lp))
     return np.concatenate(out)
@@ -97,7 +108,12 @@ def main():
         rng = np.random.default_rng(0)
         tokens = rng.integers(5, min(8000, tok.vocab_size if hasattr(tok, "vocab_size") else 8000), size=a.tokens).tolist()
         ref = logprobs(model, tokens, a.chunk, None, a.group)
-        arms = [(f"KV{b} (group {a.group})", lambda b=b: logprobs(model, tokens, a.chunk, b, a.group)) for b in (8, 4)]
+        arms = [(f"KV{b} (group {a.group})", lambda b=b: logprobs(model, tokens, a.chunk, plan_for(model, b, a.group),
+                                                                  a.group)) for b in (8, 4)]
+        if "rotating" in layer_kinds(model):
+            arms += [(f"KV{b} (group {a.group}), sliding-window layers full",
+                      lambda b=b: logprobs(model, tokens, a.chunk, plan_for(model, b, a.group, False), a.group))
+                     for b in (8, 4)]
         if a.turbo:  # equal bytes: affine and rotated round trips at the same bits and group
             for b in (4, 3):
                 arms.append((f"affine{b} round trip (group {a.group})",

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from mlxb.cache.quantized import KVScheme
+from mlxb.cache.kv_plan import KVScheme
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request

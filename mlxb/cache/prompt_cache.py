@@ -78,6 +78,9 @@ def prepare_payload(layers: list) -> tuple[dict, dict]:
         elif v is None:
             scalars.append((key, "none"))
             arr = mx.array([])
+        elif isinstance(v, str):  # CacheList members' class names (quantized rings)
+            scalars.append((key, "string"))
+            arr = mx.array([ord(ch) for ch in v])
         else:
             raise ValueError(f"cache state is not serializable: {type(v).__name__}")
         arr = mx.contiguous(arr)
@@ -196,9 +199,13 @@ class PromptCache:
         if len(layers) != len(self.kinds):
             raise ValueError(f"{len(layers)} layers, this model has {len(self.kinds)} (another model's file?)")
         for i, (c, k, shape) in enumerate(zip(layers, self.kinds, self._shapes)):
-            if k == "full" and isinstance(c, QuantizedKVCache):  # --kv-bits: heads and dtype (the namespace names the scheme)
-                if (c.keys[0].shape[1], str(c.keys[1].dtype)) != (shape[0], shape[3]):
+            if k in ("full", "rotating") and (isinstance(c, QuantizedKVCache) or snap.is_stored_ring(c)):
+                # --kv-bits: heads and dtype (the namespace names the scheme)
+                head = c.caches[0] if snap.is_stored_ring(c) else c
+                parts = [r.keys for r in c.caches[:3]] if snap.is_stored_ring(c) else head.keys
+                if (parts[0].shape[1], str(parts[1].dtype)) != (shape[0], shape[3]):
                     raise ValueError(f"layer {i} is a quantized cache of another shape (another model's file?)")
+                c = head
             elif not isinstance(c, _CLASSES[k]):
                 raise ValueError(f"layer {i} is {type(c).__name__}, expected a {k} cache (another model's file?)")
             elif self._layer_shape(c, k) != shape:

@@ -122,8 +122,8 @@ def layer_kind(cache, latent: bool = False) -> Optional[str]:
     """Capability-based kind of one layer cache; None means not batchable."""
     if type(cache) in (KVCache, BatchKVCache, AlignedBatchKVCache):
         return "latent" if latent else "full"
-    if isinstance(cache, (RotatingKVCache, BatchRotatingKVCache)):
-        return "rotating"
+    if isinstance(cache, (RotatingKVCache, BatchRotatingKVCache)) or hasattr(cache, "lanes"):
+        return "rotating"  # ``lanes``: the quantized rings of mlxb/cache/quantized_ring.py
     if isinstance(cache, ArraysCache):
         return "ssm"
     return None
@@ -189,6 +189,10 @@ class _Full(_RowOps):
 
 class _Rotating(_Full):
     def to_batch(self, solos):
+        if any(hasattr(s, "bits") for s in solos):  # quantized rings (--kv-bits): three lanes
+            from mlxb.cache.quantized_ring import BatchQuantizedRotatingKVCache
+
+            return BatchQuantizedRotatingKVCache.merge(solos)
         return BatchRotatingKVCache.merge(solos)
 
     def join_batch(self, batch, cohort, mode: str = "merge"):
@@ -220,12 +224,12 @@ def nbytes(cache) -> int:
 
 def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjection:
     """Per-layer KV bytes measured from one real 1-token forward (dtype and head shapes included).
-    With a quantized scheme (--kv-bits), full-attention layers hold ``scheme.start`` tokens at full
-    width and the rest packed (values + scales + biases)."""
+    With a quantized scheme (--kv-bits), full-attention and sliding-window layers hold
+    ``scheme.start`` tokens at full width and the rest packed (values + scales + biases)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxb.cache.quantized import as_plan
+    from mlxb.cache.kv_plan import as_plan
 
     caches = make_prompt_cache(model)
     model(mx.array([[0]]), cache=caches)
@@ -237,13 +241,13 @@ def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjectio
         if kind in ("full", "latent", "rotating"):
             per_tok = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
             window = c.max_size if kind == "rotating" else None
-            if kind == "full" and scheme is not None:
+            if kind in ("full", "rotating") and scheme is not None:
                 dims = {c.keys.shape[3], c.values.shape[3]}
                 if any(d % scheme.group_size for d in dims):
                     raise ValueError(f"--kv-group-size {scheme.group_size} does not divide this model's head dimension "
                                      f"({', '.join(map(str, sorted(dims)))}); choose a group size that does (32 or 64)")
                 q = scheme.bytes_per_token(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype.size)
-                layers.append(LayerBytes(kind, q, None, 0, per_tok, scheme.start))
+                layers.append(LayerBytes(kind, q, window, 0, per_tok, scheme.start))
                 continue
             layers.append(LayerBytes(kind, per_tok, window))
         elif kind == "ssm":

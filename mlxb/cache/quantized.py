@@ -1,4 +1,5 @@
-"""Quantized KV for full-attention layers under batching (mlx-lm quantizes KV on its single-stream path only).
+"""Quantized KV for full-attention layers under batching (mlx-lm quantizes KV on its single-stream path only);
+sliding-window layers: ``mlxb/cache/quantized_ring.py``.
 
 ``BatchQuantizedKVCache`` is mlx-lm's ``QuantizedKVCache`` layout (each of K and V is a tuple of packed
 uint32 values, scales and biases, from ``mx.quantize`` along the head dimension) with ``BatchKVCache``'s
@@ -19,11 +20,11 @@ Conversion follows mlx-lm's ``maybe_quantize_kv_cache``: a single-row ``KVCache`
 
 from __future__ import annotations
 
-from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxb.cache.kv_plan import KVPlan, KVScheme, as_plan, check_plan, fit_plan  # noqa: F401 (re-exported)
 from mlxb.cache.protocol import AlignedBatchKVCache, roll_rows
 from mlxb.cache.quantized_read import QuantizedRowCache, as_row, contiguous, hide_tail, whole_buffer_reads, width_after
 
@@ -212,128 +213,59 @@ def quantize_batch(b: BatchKVCache, group_size: int, bits: int) -> BatchQuantize
 def quantize_now(caches: list, kinds: list, plan: "KVPlan") -> list:
     """Every full-attention layer the plan quantizes, converted now whatever its offset (a row that
     shares a batch: quantized and plain rows never share a layer buffer)."""
+    from mlxb.cache.quantized_ring import BatchQuantizedRotatingKVCache
+
     out = []
     for c, k, s in zip(caches, kinds, plan.layers):
         if s is not None and k == "full" and isinstance(c, BatchKVCache) and not hasattr(c, "bits"):
             c = quantize_batch(c, s.group_size, s.bits)
-        elif s is not None and k == "full" and type(c) is KVCache:
-            c = as_row(c.to_quantized(group_size=s.group_size, bits=s.bits))
+        elif s is not None and k == "rotating" and isinstance(c, BatchRotatingKVCache):
+            c = BatchQuantizedRotatingKVCache.from_plain(c, s.group_size, s.bits)
+        else:
+            c = _quantize_row(c, k, s)
         out.append(c)
     return out
 
 
+def _quantize_row(c, kind: str, s):
+    """One single-row layer converted under scheme ``s`` (None: kept), as mlx-lm's ``to_quantized``
+    would; sliding-window rings become ``QuantizedRotatingKVCache`` (mlx-lm raises there)."""
+    from mlxb.cache.quantized_ring import QuantizedRotatingKVCache
+
+    if s is None:
+        return c
+    if kind == "full" and type(c) is KVCache:
+        return as_row(c.to_quantized(group_size=s.group_size, bits=s.bits))
+    if kind == "rotating" and isinstance(c, RotatingKVCache):
+        return QuantizedRotatingKVCache.from_plain(c, s.group_size, s.bits)
+    return c
+
+
+def serial_caches(caches: list, kinds: list, plan: "KVPlan") -> list:
+    """The serial lane's caches for mlx-lm's ``generate_step``: its ``maybe_quantize_kv_cache`` calls
+    ``to_quantized`` on every layer once the offset reaches the start; here each full-attention or
+    sliding-window layer converts under its own scheme (per-layer plans included) and the others stay."""
+    from mlxb.cache.quantized_read import RowKVCache
+    from mlxb.cache.quantized_ring import RowRotatingKVCache
+
+    for c, k, s in zip(caches, kinds, plan.layers):
+        if type(c) is KVCache:
+            c.__class__ = RowKVCache
+        elif type(c) is RotatingKVCache:
+            c.__class__ = RowRotatingKVCache
+        else:
+            continue
+        c.kv_scheme = s if k in ("full", "rotating") else None
+    return caches
+
+
 def maybe_quantize(caches: list, kinds: list, plan, offset: int) -> list:
-    """mlx-lm's ``maybe_quantize_kv_cache`` for one row's single-row caches: full-attention layers
-    that the plan quantizes convert once ``offset`` (the row's tokens so far) reaches its start."""
+    """mlx-lm's ``maybe_quantize_kv_cache`` for one row's single-row caches: full-attention and
+    sliding-window layers that the plan quantizes convert once ``offset`` (the row's tokens so far)
+    reaches its start."""
     if plan is None:
         return caches
     plan = as_plan(plan, len(caches))
     if offset < plan.start:
         return caches
-    return [as_row(c.to_quantized(group_size=s.group_size, bits=s.bits))
-            if s is not None and k == "full" and type(c) is KVCache else c
-            for c, k, s in zip(caches, kinds, plan.layers)]
-
-
-class KVScheme:
-    """``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start`` (mlx-lm's names and meaning)."""
-
-    def __init__(self, bits: int, group_size: int = 64, start: int = 0):
-        if bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"--kv-bits {bits}: choose 4 or 8 (MLX quantizes with 2-6 or 8 bits)")
-        if group_size not in (32, 64, 128):
-            raise ValueError(f"--kv-group-size {group_size}: choose 32, 64 or 128")
-        if start < 0:
-            raise ValueError("--quantized-kv-start must be >= 0")
-        self.bits, self.group_size, self.start = bits, group_size, start
-
-    @property
-    def name(self) -> str:
-        return f"kv{self.bits}g{self.group_size}s{self.start}"
-
-    def bytes_per_token(self, heads: int, dk: int, dv: int, dtype_bytes: int) -> int:
-        """Packed values + scales + biases of K and V for one token of one layer."""
-        def one(d):
-            return heads * (d * self.bits // 8 + 2 * (d // self.group_size) * dtype_bytes)
-        return one(dk) + one(dv)
-
-
-class KVPlan:
-    """Per-layer schemes: ``layers[i]`` is layer i's ``KVScheme`` or None (full width). ``--kv-bits``
-    is the uniform plan; ``--kv-config FILE`` gives a per-layer map (JSON):
-
-        {"bits": 4, "group_size": 64, "start": 0, "layers": {"0": "none", "-1": "none", "5": 8}}
-
-    ``layers`` overrides the default per layer index (negative counts from the end): "none" keeps the
-    layer at full width, an integer sets its bits. Every row uses the server's plan (fixed at start-up),
-    so rows of different schemes never share a layer buffer."""
-
-    def __init__(self, layers: list, start: int = 0):
-        self.layers, self.start = list(layers), start
-
-    @property
-    def uniform(self) -> Optional[KVScheme]:
-        """The one scheme when every layer has the same one, else None."""
-        first = self.layers[0] if self.layers else None
-        same = all((s is None) == (first is None) and (s is None or (s.bits, s.group_size) == (first.bits, first.group_size))
-                   for s in self.layers)
-        return first if same else None
-
-    @property
-    def name(self) -> str:
-        u = self.uniform
-        if u is not None:
-            return u.name
-        parts = ["full" if s is None else f"kv{s.bits}g{s.group_size}" for s in self.layers]
-        return f"per-layer[{','.join(parts)}]s{self.start}"
-
-    @classmethod
-    def from_file(cls, path: str, num_layers: int) -> "KVPlan":
-        import json
-
-        try:
-            with open(path) as f:
-                cfg = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--kv-config {path}: cannot read it as JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"--kv-config {path}: the file must hold a JSON object")
-        unknown = set(cfg) - {"bits", "group_size", "start", "layers"}
-        if unknown:
-            raise ValueError(f"--kv-config {path}: unknown key(s) {', '.join(sorted(unknown))}; "
-                             "keys: bits, group_size, start, layers")
-        group, start = int(cfg.get("group_size", 64)), int(cfg.get("start", 0))
-        default = KVScheme(int(cfg["bits"]), group, start) if cfg.get("bits") is not None else None
-        layers = [default] * num_layers
-        for key, v in (cfg.get("layers") or {}).items():
-            try:
-                i = int(key)
-            except ValueError:
-                raise ValueError(f"--kv-config {path}: layer key {key!r} is not an integer index") from None
-            if not -num_layers <= i < num_layers:
-                raise ValueError(f"--kv-config {path}: layer {i} is outside this model's {num_layers} layers")
-            if v == "none" or v is None:
-                layers[i] = None
-            elif isinstance(v, int) and not isinstance(v, bool):
-                layers[i] = KVScheme(v, group, start)
-            else:
-                raise ValueError(f"--kv-config {path}: layer {key} must be \"none\" or a bit width, got {v!r}")
-        return cls(layers, start)
-
-
-def check_plan(plan: Optional[KVPlan], kinds: list) -> Optional[KVPlan]:
-    """Refuse a plan this backend cannot run: with whole-buffer reads, one attention mask serves every
-    full-attention layer, so they must all be quantized or all be full width."""
-    if plan is not None and whole_buffer_reads():
-        full = [s is None for s, k in zip(plan.layers, kinds) if k == "full"]
-        if any(full) and not all(full):
-            raise ValueError("this backend's quantized attention reads whole KV buffers, so a --kv-config that keeps "
-                             "some full-attention layers at full width cannot run here; quantize them all (--kv-bits)")
-    return plan
-
-
-def as_plan(scheme, num_layers: int) -> Optional[KVPlan]:
-    """A ``KVScheme`` (--kv-bits) as the uniform plan; a ``KVPlan`` as is."""
-    if scheme is None or isinstance(scheme, KVPlan):
-        return scheme
-    return KVPlan([scheme] * num_layers, scheme.start)
+    return [_quantize_row(c, k, s) for c, k, s in zip(caches, kinds, plan.layers)]

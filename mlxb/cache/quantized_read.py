@@ -88,10 +88,14 @@ class QuantizedRowCache(QuantizedKVCache):
 
 
 class RowKVCache(KVCache):
-    """mlx-lm's ``KVCache`` whose ``to_quantized`` gives a ``QuantizedRowCache`` (the serial path)."""
+    """mlx-lm's ``KVCache`` for the serial lane: ``to_quantized`` gives a ``QuantizedRowCache`` under
+    the layer's own scheme (``kv_scheme``; None keeps the layer at full width)."""
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> QuantizedKVCache:
-        return as_row(super().to_quantized(group_size=group_size, bits=bits))
+    kv_scheme = None
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        s = self.kv_scheme
+        return self if s is None else as_row(super().to_quantized(group_size=s.group_size, bits=s.bits))
 
 
 def as_row(c: QuantizedKVCache) -> QuantizedRowCache:

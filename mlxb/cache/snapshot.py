@@ -3,7 +3,8 @@
 * ``snapshot(cache, kind)`` an immutable, compact copy of a single-row cache as it is now. Full and
   latent layers are copied down to their ``offset`` (``mx.contiguous``), so the entry holds exactly
   its tokens; rotating rings and recurrent states are copied whole (at most a window, or a fixed
-  size), so an entry never keeps a batch buffer alive.
+  size), so an entry never keeps a batch buffer alive. Quantized rings (--kv-bits on sliding-window
+  layers) are stored as mlx-lm classes (``QuantizedRotatingKVCache.stored``) and lent back as rings.
 * ``lend(cache, kind, n)`` a new single-row cache for a row that starts from the first ``n`` tokens
   of a snapshot, without copying: full/latent layers are views trimmed to ``n`` (the row's first
   write grows into a fresh buffer), rings and states are new objects over the same arrays
@@ -18,9 +19,10 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlxb.cache.quantized_read import QuantizedRowCache
+from mlxb.cache.quantized_ring import QuantizedRotatingKVCache, is_stored_ring
 
 REUSE = {
     "full": "any prefix length (trimmed)",
@@ -47,6 +49,8 @@ def _packed(cache, n: int, copy_arrays: bool) -> QuantizedKVCache:
 
 
 def snapshot(cache, kind: str):
+    if isinstance(cache, QuantizedRotatingKVCache):
+        return cache.stored()  # mlx-lm classes (the SSD tier), the ring's arrays copied
     if isinstance(cache, QuantizedKVCache):
         return _packed(cache, cache.offset, True)
     if kind in ("full", "latent"):
@@ -73,6 +77,9 @@ def lend(cache, kind: str, n):
         if n > 0:
             out.keys, out.values, out.offset = cache.keys[..., :n, :], cache.values[..., :n, :], n
         return out
+    if is_stored_ring(cache):
+        assert n is None or n == cache.caches[0].offset, (n, cache.caches[0].offset)
+        return QuantizedRotatingKVCache.from_stored(cache)
     if kind == "rotating":
         assert n is None or n == cache.offset, (n, cache.offset)
         out = RotatingKVCache(cache.max_size, cache.keep)
@@ -86,6 +93,8 @@ def lend(cache, kind: str, n):
 
 
 def arrays(cache) -> list:
+    if isinstance(cache, CacheList):
+        return [a for c in cache.caches for a in arrays(c)]
     if isinstance(cache, QuantizedKVCache):
         return [] if cache.keys is None else list(cache.keys) + list(cache.values)
     if isinstance(cache, (KVCache, RotatingKVCache)):
@@ -99,4 +108,6 @@ def layer_nbytes(cache) -> int:
 
 def num_tokens(cache, kind: str) -> int:
     """Tokens a single-row attention cache has seen (None for recurrent state)."""
+    if is_stored_ring(cache):
+        return int(cache.caches[0].offset)
     return int(cache.offset) if kind != "ssm" else None

@@ -84,7 +84,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     scheme = None
     if kv_bits is not None:
-        from mlxb.cache.quantized import KVScheme
+        from mlxb.cache.kv_plan import KVScheme
 
         try:
             scheme = KVScheme(kv_bits, kv_group_size, quantized_kv_start)
@@ -96,17 +96,16 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     if kv_config is not None:
         from mlx_lm.models.cache import make_prompt_cache
 
-        from mlxb.cache.quantized import KVPlan
+        from mlxb.cache.kv_plan import KVPlan
         from mlxb.errors import ValidationError
 
         if kv_bits is not None:
             raise ValidationError("give --kv-bits or --kv-config, not both (the file has its own default bits)",
                                   param="kv_config")
-        if batch < 2:
-            raise ValidationError("a per-layer --kv-config needs the batch lane (--batch 2 or more); --batch 1 "
-                                  "runs mlx-lm's generate_step, which quantizes every layer alike", param="kv_config")
         try:
-            scheme = KVPlan.from_file(kv_config, len(make_prompt_cache(m)))
+            from mlxb.cache.protocol import layer_kinds
+
+            scheme = KVPlan.from_file(kv_config, len(make_prompt_cache(m)), layer_kinds(m))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_config") from None
     try:

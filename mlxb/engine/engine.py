@@ -66,9 +66,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.kinds = layer_kinds(model)
         self.batchable = all(k is not None for k in self.kinds)
-        from mlxb.cache.quantized import as_plan
+        from mlxb.cache.kv_plan import as_plan, fit_plan
 
-        self.kv_scheme = as_plan(kv_scheme, len(self.kinds))  # mlxb.cache.quantized.KVPlan or None
+        self.kv_scheme = fit_plan(as_plan(kv_scheme, len(self.kinds)), model)  # mlxb.cache.quantized.KVPlan or None
         self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
@@ -86,7 +86,7 @@ class Engine:
             evict_cache=self.reuse.evict,
         )
         self.attach_prompt_cache(prompt_cache)
-        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=kv_scheme,
+        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme,
                              special_tokens=sorted(self.eos_ids))
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()

@@ -33,7 +33,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
-from mlxb.cache.quantized import as_plan, check_plan, maybe_quantize, quantize_now
+from mlxb.cache.kv_plan import as_plan, check_plan
+from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler

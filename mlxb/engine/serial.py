@@ -18,6 +18,9 @@ from mlxb.request import Request, RequestStatus
 def run_serial(engine, live) -> None:
     """Run one serial request to its end on the engine thread (cancellation checked per token)."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxb.cache.quantized import serial_caches
 
     req = live.req
     engine.counters["serial_requests"] += 1
@@ -29,7 +32,8 @@ def run_serial(engine, live) -> None:
             if engine.prompt_cache is not None and req.cache_prompt:
                 cache, start = engine.reuse.serial_prefill(req, row)
             if engine.kv_scheme is not None:
-                cache = row_caches(engine.model, cache)
+                cache = serial_caches(cache if cache is not None else make_prompt_cache(engine.model), engine.kinds,
+                                      engine.kv_scheme)
             gen = generate_step(
                 mx.array(req.prompt_ids[start:], dtype=mx.uint32),
                 engine.model,
@@ -65,25 +69,9 @@ def _wants_vec(engine, req: Request) -> bool:
 
 
 def _kv_args(plan) -> dict:
-    """mlx-lm's generate_step quantizes every layer alike: only a uniform plan runs on this path."""
-    s = plan.uniform
+    """generate_step converts once ``kv_bits`` is set; each layer then converts under its own scheme
+    (``serial_caches``), so any plan, per-layer ones included, runs on this path."""
+    s = next(s for s in plan.layers if s is not None) if any(plan.layers) else None
     if s is None:
-        raise ValueError("a per-layer --kv-config needs the batch lane (--batch 2 or more)")
+        return {}
     return {"kv_bits": s.bits, "kv_group_size": s.group_size, "quantized_kv_start": plan.start}
-
-
-def row_caches(model, cache):
-    """Where quantized reads need whole buffers, mlx-lm's ``maybe_quantize_kv_cache`` must convert
-    plain layers into ``QuantizedRowCache``s; elsewhere the caches are left as they are."""
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
-
-    from mlxb.cache.quantized_read import RowKVCache, whole_buffer_reads
-
-    if not whole_buffer_reads():
-        return cache
-    cache = cache if cache is not None else make_prompt_cache(model)
-    for c in cache:
-        if type(c) is KVCache:
-            c.__class__ = RowKVCache
-    return cache
-

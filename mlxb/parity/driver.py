@@ -24,11 +24,11 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
     def capture(rid: str, step: int, token: int, vec, geo) -> None:
         r = int(rid[1:])
         assert step == len(records[r]), (rid, step)
-        records[r].append(step_record(token, vec, None if case.kv else geo))  # quant: the oracle's rows run alone
+        records[r].append(step_record(token, vec, geo))
 
     scheme = None
     if case.kv:
-        from mlxb.cache.quantized import KVScheme
+        from mlxb.cache.kv_plan import KVScheme
 
         scheme = KVScheme(case.kv["bits"], case.kv["group_size"], case.kv["start"])
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,

@@ -57,8 +57,8 @@ SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "la
            "prefix": tuple(PREFIX_TRIMMABLE), "quant": ("tiny-llama", "tiny-minicpm")}
 # quant (--kv-bits; presets whose every layer is full attention): the join case's rows with quantized KV,
 # KV4 at odd B and KV8 at even B, group 32, converted from the first chunk. mlx-lm has no batched
-# quantized cache, so the oracle runs each row alone through its generate_step with the same scheme and
-# chunking; the cache geometry is not compared (the oracle's rows are never padded).
+# quantized cache, so the oracle keeps the batch's layout with three mlx-lm BatchKVCache lanes (packed
+# values, scales, biases; oracle/quantized.py); the cache geometry is compared.
 QUANT_GROUP = 32
 MIN_SHARED = 32  # the engine's default --prompt-cache min shared tokens for a follower
 SCHEMA = 2  # 2: whole prompts admitted in one iteration are prefilled together as a cohort

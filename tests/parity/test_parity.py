@@ -121,3 +121,28 @@ def test_golden_gen_refuses_overwrite_and_reports_changes(tmp_path):
 def test_missing_golden_is_an_error_not_a_pass(tmp_path):
     r = mlxb("parity", "-m", "tiny-llama", "--b", "2", "-c", "join", "--against", "golden", goldens=tmp_path)
     assert r.returncode == 1 and "no golden" in r.stdout
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_oracle_keeps_the_batch_layout_for_rows_padded_against_a_long_one(bits):
+    """The ``quant`` oracle runs rows in the batch's own layout (three mlx-lm BatchKVCache lanes for the
+    packed values, scales and biases). Joiners padded against a 300-token lead row, where a row's solo
+    run differs in the last bits on a CPU BLAS, still match it exactly, geometry included; a stale
+    scale after a filter (planted) does not."""
+    import numpy as np
+
+    from mlxb.parity.compare import compare
+    from mlxb.parity.run import run_oracle, run_ours
+
+    rng = np.random.default_rng(7)
+    rows = [RowSpec(rng.integers(5, 8000, size=n).tolist(), 10, a) for n, a in ((300, 0), (9, 20), (25, 23))]
+    case = Case("tiny-llama", "float32", "quant", 3, 0, rows, 16, "extend",
+                kv={"bits": bits, "group_size": 32, "start": 0})
+    (ref,) = run_oracle([case])
+    (ours,) = run_ours([case])
+    res = compare("long-lead", "live", ours["records"], ref["records"])
+    assert res.error is None and res.schedule_mismatch is None
+    assert all(r.exact == r.steps == 10 for r in res.rows), res
+    assert all(s["g"] is not None for v in ref["records"].values() for s in v)  # geometry is compared
+    (bad,) = run_ours([case], faults=frozenset({"kv_stale_scale"}))
+    assert any(r.first_divergence is not None for r in compare("bad", "live", bad["records"], ref["records"]).rows)

@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from mlxb.cache.quantized import BatchQuantizedKVCache, KVScheme
+from mlxb.cache.quantized_ring import BatchQuantizedRotatingKVCache
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request, SamplingParams
@@ -21,7 +22,7 @@ def reference(model, prompt, bits, start, n):
 
 
 def engine_rows(model, tok, prompts, arrive, bits, start, batch, n):
-    recs, seen = {}, {"quantized_batch": False}
+    recs, seen = {}, {"quantized_batch": False, "rings": False}
 
     def capture(rid, step, token, vec, geo):
         recs.setdefault(rid, []).append((token, vec))
@@ -39,6 +40,10 @@ def engine_rows(model, tok, prompts, arrive, bits, start, batch, n):
         eng.iterate()
         if eng.runner.merged and any(isinstance(c, BatchQuantizedKVCache) for c in eng.runner.caches):
             seen["quantized_batch"] = True
+        if eng.runner.merged and any(isinstance(c, BatchQuantizedRotatingKVCache) for c in eng.runner.caches):
+            seen["rings"] = True
+        if eng.runner.caches is not None:
+            seen["caches"] = list(eng.runner.caches)
         k += 1
     return [recs[f"r{i}"] for i in range(len(prompts))], seen, eng
 
@@ -138,12 +143,44 @@ def test_bad_kv_flags_are_clear_errors():
         build_gateway("tiny-llama", kv_bits=7, warmup=False)
 
 
-def test_sliding_window_layers_stay_plain_and_the_batch_runs(tiny_models):
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma4"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sliding_window_rings_quantize_and_a_lone_row_is_the_same_on_both_lanes(tiny_models, name, bits):
+    """Sliding-window layers quantize too (mlx-lm raises there). A lone row whose ring wraps (90 tokens,
+    window 64) gives the same tokens and logprob vectors, bit for bit, on the batch lane (mlxb's
+    conversion at chunk ends) and on the serial lane (mlx-lm's generate_step converting through
+    ``to_quantized``); Gemma 4's KV-shared source layer stays at full width (its readers have no cache)."""
+    from mlxb.cache.quantized_ring import QuantizedRotatingKVCache
+
+    model, tok = tiny_models(name)[:2]
+    p = np.random.default_rng(1).integers(5, 8000, size=90).tolist()
+    (batch_lane,), seen, eng = engine_rows(model, tok, [p], [0], bits, 0, 4, 12)
+    (serial,), _, eng1 = engine_rows(model, tok, [p], [0], bits, 0, 1, 12)
+    assert eng1.counters["serial_requests"] == 1 and same(batch_lane, serial)
+    kinds = [type(c).__name__ for c in seen["caches"]]
+    shared = {"tiny-gemma3": set(), "tiny-gemma4": {2}}[name]
+    for i, (k, c) in enumerate(zip(eng.kinds, seen["caches"])):
+        if k == "rotating":
+            assert isinstance(c, QuantizedRotatingKVCache) != (i in shared), (i, kinds)
+    assert (eng.kv_scheme.layers[2] is None) == (name == "tiny-gemma4")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_staggered_batch_of_quantized_rings(tiny_models, bits):
+    """Rows that join a running batch one by one (each prefilled alone) decode in
+    ``BatchQuantizedRotatingKVCache`` layers, rings wrapping inside the batch, and give the serial
+    lane's tokens. Their logprob vectors match it to padding-level rounding (a padded row's attention
+    reduces over a longer masked key axis: the same order of difference as at full width)."""
     model, tok = tiny_models("tiny-gemma3")[:2]
     rng = np.random.default_rng(3)
     prompts = [rng.integers(5, 8000, size=n).tolist() for n in (70, 20, 90)]
-    ours, seen, eng = engine_rows(model, tok, prompts, [0, 1, 3], 8, 0, 4, 8)
-    assert seen["quantized_batch"] and all(len(o) == 8 for o in ours)
+    ours, seen, eng = engine_rows(model, tok, prompts, [0, 6, 10], bits, 0, 4, 40)
+    assert seen["quantized_batch"] and eng.counters["batched_steps"] > 0
+    assert seen["rings"]
+    for o, p in zip(ours, prompts):
+        (alone,), _, _ = engine_rows(model, tok, [p], [0], bits, 0, 1, 40)
+        assert [t for t, _ in o] == [t for t, _ in alone]
+        assert max(float(np.abs(x - y).max()) for (_, x), (_, y) in zip(o, alone)) < 1e-3
 
 
 def test_per_layer_plan_quantizes_only_the_layers_it_names(llama, tmp_path):
@@ -213,12 +250,14 @@ def test_bad_kv_config_files_name_the_problem(tmp_path, text, match):
         build_gateway("tiny-llama", kv_config=str(f), warmup=False)
 
 
-def test_prompt_cache_stores_and_serves_quantized_rows(llama, tmp_path):
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_prompt_cache_stores_and_serves_quantized_rows(tiny_models, name, tmp_path):
     """--kv-bits with the prompt cache: a repeat hits len-1 tokens and gives the first run's tokens and
-    logprobs; so does a hit restored from the SSD tier; a follow-up turn extends a retired row."""
+    logprobs; so does a hit restored from the SSD tier; a follow-up turn extends a retired row. Gemma 3's
+    quantized rings are stored as mlx-lm classes and come back as rings."""
     from mlxb.cache.prompt_cache import PromptCache
 
-    model, tok = llama
+    model, tok = tiny_models(name)[:2]
     recs = {}
 
     def capture(rid, step, token, vec, geo):
@@ -250,3 +289,26 @@ def test_prompt_cache_stores_and_serves_quantized_rows(llama, tmp_path):
     nxt = ask("d", turn2)
     assert nxt.cached_tokens >= len(p) + 7  # prompt + output of the retired row (its last token is re-fed)
     pc.ram.check_integrity()
+
+
+def test_kv_config_kind_keys_keep_sliding_window_layers_full(tiny_models, tmp_path):
+    """``"sliding": "none"`` keeps every sliding-window layer at full width, an index overrides its kind,
+    and the engine then runs plain rings next to quantized full-attention layers."""
+    import json
+
+    from mlxb.cache.kv_plan import KVPlan
+    from mlxb.cache.protocol import layer_kinds
+
+    model, tok = tiny_models("tiny-gemma3")[:2]
+    kinds = layer_kinds(model)
+    cfg = tmp_path / "kv.json"
+    cfg.write_text(json.dumps({"bits": 4, "group_size": GROUP, "layers": {"sliding": "none", "0": 8}}))
+    plan = KVPlan.from_file(str(cfg), len(kinds), kinds)
+    assert kinds == ["rotating", "full", "rotating", "full"]
+    assert [None if s is None else s.bits for s in plan.layers] == [8, 4, None, 4]
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(5, 8000, size=k).tolist() for k in (70, 20)]
+    ours, seen, eng = engine_rows_plan(model, tok, prompts, [0, 6], plan, 4, 8)
+    names = [type(c).__name__ for c in eng.last_caches]
+    assert names == ["BatchQuantizedRotatingKVCache", "BatchQuantizedKVCache", "BatchRotatingKVCache",
+                     "BatchQuantizedKVCache"], names
