@@ -293,6 +293,56 @@ def engine(
     console.print(f"wrote {out}")
 
 
+@app.command("spec")
+def spec_bench(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    spec: str = typer.Option("lookup", "--spec", help="Proposer: lookup (prompt lookup) or draft (--draft-model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for --spec draft (the target's own name gives the self-draft ceiling)."),
+    num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32),
+    lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16),
+    spec_max_batch: int = typer.Option(64, "--spec-max-batch", min=1, help="Speculate up to this many rows (the bench default measures every B)."),
+    batches: str = typer.Option("1,8", "--batches"),
+    regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random."),
+    context: int = typer.Option(512, "--context", min=8, help="Prompt tokens per row."),
+    gen: int = typer.Option(64, "--gen", min=2),
+    repeats: int = typer.Option(2, "--repeats", min=1),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """Speculative decoding vs plain decoding on our engine: decode tok/s ratios with the acceptance."""
+    from mlxb.bench.spec import run
+    from mlxb.doctor import report
+    from mlxb.engine.build import build_spec
+    from mlxb.errors import ValidationError
+    from mlxb.models import load_model
+
+    try:
+        bs = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise ValidationError("--batches takes comma-separated integers, e.g. 1,8") from None
+    m, tok, mspec, path = load_model(model, dtype)
+    cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
+                     draft_model, dtype, spec_max_batch)
+    with console.status("benchmarking ...") as status:
+        res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
+                  repeats=repeats, progress=lambda s: status.update(f"benchmarking: {s}"))
+    res["labels"] = {**report(measure=False), "model": mspec.name, "dtype": mspec.dtype,
+                     "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    what = f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup"
+    t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
+    for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance"):
+        t.add_column(c)
+    for r in res["summary"]:
+        acc = "no drafts" if r["acceptance"] is None else f"{r['acceptance']:.0%} of {r['drafted']}"
+        t.add_row(r["regime"], str(r["B"]), f"{r['plain_tps']:.1f}", f"{r['spec_tps']:.1f}", f"{r['ratio_min']:.3f}",
+                  f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}", acc)
+    console.print(t)
+    out = out or Path("reports/results") / f"spec-{mspec.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str))
+    console.print(f"wrote {out}")
+
+
 @app.command("kv")
 @cli_errors
 def kv(

@@ -35,6 +35,11 @@ def serve(
     kv_group_size: int = typer.Option(64, "--kv-group-size", help="Quantization group size for --kv-bits (32, 64, 128)."),
     quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", help="A row's KV converts once it holds this many tokens (mlx-lm's meaning); under batching at the latest when the row shares a batch."),
     kv_config: Optional[str] = typer.Option(None, "--kv-config", help='Per-layer KV quantization (JSON file), e.g. {"bits": 4, "layers": {"0": "none", "-1": "none"}}: first and last layers at full width, the others KV4. Batch lane only.'),
+    spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding on the batch lane: 'lookup' (prompt lookup: n-gram copy from the row's prompt and output) or 'draft' (--draft-model). Models with sliding-window or recurrent layers decode plainly (see /stats)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A smaller model with the target's tokenizer (preset, folder or HF id) that drafts tokens; implies --spec draft."),
+    num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32, help="Most draft tokens per row and step (adapted per row from its acceptance); a request's num_draft_tokens overrides it, 0 turns it off."),
+    spec_max_batch: int = typer.Option(1, "--spec-max-batch", min=1, help="Speculate only while the batch holds at most this many rows (measured: a win alone, a loss at B=8; see the README)."),
+    lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16, help="Longest n-gram --spec lookup matches (it tries shorter ones down to 1)."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -52,7 +57,9 @@ def serve(
                            warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
                            prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention, kv_bits=kv_bits,
-                           kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config)
+                           kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config,
+                           spec=spec, num_draft_tokens=num_draft_tokens, lookup_ngram=lookup_ngram,
+                           draft_model=draft_model, spec_max_batch=spec_max_batch)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
@@ -67,8 +74,13 @@ def serve(
                   "rendered and calls come back as text")
     pc = gw.engine.prompt_cache
     if gw.engine.kv_scheme is not None:
-        console.print(f"KV cache: {gw.engine.kv_scheme.name} (full-attention layers; sliding-window and recurrent "
-                      "layers stay unquantized)")
+        console.print(f"KV cache: {gw.engine.kv_scheme.name} (full-attention and sliding-window layers; recurrent "
+                      "and latent layers stay at full width)")
+    sp = gw.engine.spec_stats()
+    if sp is not None:
+        console.print(f"speculation: {sp['method']}{' (' + sp['draft_model'] + ')' if sp.get('draft_model') else ''}, "
+                      f"up to {sp['num_draft_tokens']} draft tokens per row, while at most {sp['max_batch']} rows decode"
+                      if sp["active"] else f"speculation: off ({sp['off_reason']})")
     if pc is None:
         console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))
     else:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|spec
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -73,4 +73,15 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --gen ${GEN:-64} --repeats ${REPEATS:-2} --prefill-chunk ${CHUNK:-8192} --quantized-kv-start ${KV_START:-0} --out "$OUT/kv-$m.json" 2>&1 | grep -v Warning | tail -20
     MLX_CUDA_USE_CUDNN_SDPA=0 python3 scripts/kv_attention_cost.py /var/tmp/$m --context ${CONTEXT:-8192} --batches ${BATCHES:-32} \
       --out "$OUT/kv-attention-$m.json" 2>&1 | grep -v Warning ;;
+  spec)  # speculative decoding vs plain on our engine: synth-llama-1b drafting for synth-llama-8b, self-draft, lookup
+    for m in synth-llama-1b synth-llama-8b; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    done
+    m=/var/tmp/synth-llama-8b
+    for d in /var/tmp/synth-llama-1b $m; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m $m --draft-model $d --batches ${BATCHES:-1,8} --regimes random \
+        --context ${CONTEXT:-512} --gen ${GEN:-96} --repeats ${REPEATS:-2} --out "$OUT/spec-draft-$(basename $d).json" 2>&1 | grep -v Warning | tail -12
+    done
+    MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m $m --spec lookup --batches ${BATCHES:-1,8} --context ${CONTEXT:-512} \
+      --gen ${GEN:-96} --repeats ${REPEATS:-2} --out "$OUT/spec-lookup.json" 2>&1 | grep -v Warning | tail -14 ;;
 esac

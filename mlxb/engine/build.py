@@ -74,13 +74,34 @@ def choose_attention_kernels(cudnn: Optional[bool] = None) -> str:
     return f"{CUDNN_SDPA_ENV}={os.environ[CUDNN_SDPA_ENV]}"
 
 
+def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int, draft_model: Optional[str],
+               dtype: Optional[str], max_batch: int = 1):
+    """--spec / --draft-model as a SpecConfig; a draft model is loaded and checked against the target."""
+    from mlxb.engine.spec import SpecConfig
+    from mlxb.errors import ValidationError
+
+    draft = name = None
+    try:
+        if draft_model is not None:
+            from mlxb.engine.draft import check_draft
+
+            draft, dtok, dspec, _ = load_model(draft_model, dtype)
+            check_draft(model, tok, draft, dtok)
+            name = dspec.name
+        return SpecConfig(method, num_draft_tokens, lookup_ngram, draft_model=draft, draft_name=name, max_batch=max_batch)
+    except ValueError as e:
+        raise ValidationError(str(e), param="draft_model" if draft_model else "spec") from None
+
+
 def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, batch: int = 8,
                   prefill_chunk: int = 2048, kv_budget: Optional[int] = None, default_max_tokens: int = 512,
                   chat_template: Optional[str] = None, warmup: bool = True, prompt_cache: bool = True,
                   prompt_cache_bytes: Optional[int] = None, prompt_cache_size: Optional[int] = None,
                   prompt_cache_dir: Optional[str] = None, prompt_cache_disk_bytes: Optional[int] = None,
                   cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
-                  quantized_kv_start: int = 0, kv_config: Optional[str] = None, **engine_kw) -> Gateway:
+                  quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
+                  num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
+                  spec_max_batch: int = 1, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     scheme = None
     if kv_bits is not None:
@@ -92,7 +113,10 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             from mlxb.errors import ValidationError
 
             raise ValidationError(str(e), param="kv_bits") from None
-    m, tok, spec, path = load_model(model, dtype)
+    m, tok, spec_, path = load_model(model, dtype)
+    if spec is not None or draft_model is not None:
+        engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
+                                       spec_max_batch)
     if kv_config is not None:
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -122,8 +146,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.attach_prompt_cache(pc)  # NOTE: the warm-up runs the cache paths too, then empties the RAM tier
     engine.warmup = warm_up(engine) if warmup else None  # before traffic: first-use kernel compiles
     engine.start()
-    gw = Gateway(engine, tok, model_name=spec.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
-    gw.spec, gw.path = spec, path
+    gw = Gateway(engine, tok, model_name=spec_.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
+    gw.spec, gw.path = spec_, path
     engine.attention_kernels = attention
     freeze_heap()
     return gw

@@ -104,6 +104,8 @@ class Delivery:
             "total_tokens": req.num_prompt_tokens + req.num_generated,
             "cached_tokens": req.cached_tokens,
         }
+        if req.spec_drafted is not None:  # --spec: this row's drafts and how many the target kept
+            out.usage["draft_tokens"], out.usage["accepted_tokens"] = req.spec_drafted, req.spec_accepted
         out.timings = req.timings.as_dict(req.num_generated)
         self.send(live, out)
         self.live.pop(req.request_id, None)

@@ -60,6 +60,7 @@ class Engine:
         prompt_cache=None,
         min_shared: int = 32,
         kv_scheme=None,
+        spec=None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
@@ -86,7 +87,7 @@ class Engine:
             evict_cache=self.reuse.evict,
         )
         self.attach_prompt_cache(prompt_cache)
-        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme,
+        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
                              special_tokens=sorted(self.eos_ids))
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
@@ -162,9 +163,23 @@ class Engine:
             "attention_kernels": self.attention_kernels,
             "kv_scheme": self.kv_scheme.name if self.kv_scheme else "none",
             "kv_reads": kv_reads() if self.kv_scheme else None,
+            "speculation": self.spec_stats(),
             "step_timing": self.step_timing(),
             "prompt_cache": self.prompt_cache_stats(),
         }
+
+    def spec_stats(self) -> Optional[dict]:
+        """--spec: the method, whether it runs on this model (and why not), drafted / accepted tokens."""
+        r = self.runner
+        if r.spec is None:
+            return None
+        c = r.spec_counts
+        off = r.spec_off or ("--batch 1 is the strict serial lane (mlx-lm's generate_step); speculation runs on "
+                             "the batch lane" if self.max_batch == 1 else None)
+        return {"method": r.spec.method, "draft_model": r.spec.draft_name, "max_batch": r.spec.max_batch,
+                "num_draft_tokens": r.spec.num_draft_tokens, "active": off is None,
+                "off_reason": off, "verify_steps": c["verify_steps"], "drafted": c["drafted"],
+                "accepted": c["accepted"], "acceptance": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None}
 
     @property
     def prompt_cache(self):
@@ -351,6 +366,8 @@ class Engine:
             t_deliver = time.perf_counter()
             done: dict[str, RequestStatus] = {}
             for em in emitted:
+                if em.row.req.request_id in done:  # a verify step's tokens after the row's last one
+                    continue
                 status = self.delivery.deliver(em)
                 if status is not None:
                     done[em.row.req.request_id] = status

@@ -39,6 +39,7 @@ class GenerationInput:
     request_id: Optional[str] = None
     ignore_eos: bool = False  # vLLM's extension: decode exactly max_tokens (benchmarks)
     cache_prompt: bool = True  # llama.cpp's field: False = this request neither reuses nor stores a prefix
+    num_draft_tokens: Optional[int] = None  # speculation (--spec): this request's draft length, 0 = off
     tools: Optional[list[dict]] = None  # OpenAI function tools: rendered by the chat template
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
@@ -153,9 +154,13 @@ class Gateway:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
             raise ValidationError("stop must be a string or a list of at most 16 strings", param="stop")
+        k = inp.num_draft_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32):
+            raise ValidationError("num_draft_tokens must be an integer from 0 (no speculation) to 32",
+                                  param="num_draft_tokens")
         ids = self.tokenize(inp)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
-                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt)
+                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k)
         req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)

@@ -22,7 +22,6 @@ index, i.e. no row is left-padded; a one-token step then runs without an attenti
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler
+from mlxb.engine.spec import RowSpec, row_spec, setup, spec_step
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
@@ -56,6 +56,7 @@ class Row:
     base: int = 0  # tokens in this row's caches, minus the runner's step count at join
     tokens: list = field(default_factory=list)  # sampled token ids, in order
     seeded: bool = False  # solo caches set up (from a cached prefix when prefill starts past 0)
+    spec: Optional[RowSpec] = None  # speculation state (--spec), None when this row does not speculate
 
 
 @dataclass
@@ -77,10 +78,13 @@ class Runner:
         faults: frozenset = frozenset(),
         special_tokens: Optional[list[int]] = None,
         kv_scheme=None,
+        spec=None,
     ):
         self.model = model
         self.kinds = kinds
         self.kv = check_plan(as_plan(kv_scheme, len(kinds)), kinds)  # KVPlan (--kv-bits / --kv-config) or None
+        self.spec, self.spec_off, self.proposer = setup(spec, kinds)  # --spec: config, why off, proposer
+        self.spec_counts: dict[str, int] = defaultdict(int)
         self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
         self.capture = capture
         self.faults = faults
@@ -104,6 +108,7 @@ class Runner:
                   plain=req.sampling.is_plain_greedy and req.constraint is None)
         if row.sampler.processors:
             row.context = mx.array(req.prompt_ids[:-1], dtype=mx.uint32)
+        row.spec = row_spec(self, req)
         return row
 
     def prefill_chunk(self, row: Row, start: int, end: int, is_last: bool) -> None:
@@ -266,6 +271,11 @@ class Runner:
         return self.capture is not None or not row.plain
 
     def decode_step(self) -> list[Emitted]:
+        """A verify step where some row has drafts (--spec), otherwise a plain pipelined step."""
+        flushed, verified = spec_step(self) if self.proposer is not None else ([], None)
+        return flushed + (verified if verified is not None else self._plain_step())
+
+    def _plain_step(self) -> list[Emitted]:
         t0 = time.perf_counter()
         inputs = self.register
         if "scalar_rope" in self.faults and self.merged:
@@ -387,6 +397,3 @@ class Runner:
     def kv_bytes(self) -> int:
         return sum(nbytes(c) for c in self.caches) if self.caches else 0
 
-
-def logits_hash(vec: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(vec, dtype=np.float32).tobytes()).hexdigest()

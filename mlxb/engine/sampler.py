@@ -47,6 +47,10 @@ class RowSampler:
         """``logprobs``: [1, V] (already processed and normalized). Returns [1] token ids."""
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.draw_logits(logprobs), key=self.next_key())
+
+    def draw_logits(self, logprobs: mx.array) -> mx.array:
+        """The unnormalized log-distribution a non-greedy row draws from (filters, then 1/temp)."""
         p = self.params
         x = logprobs
         if 0 < p.top_p < 1.0:
@@ -57,7 +61,7 @@ class RowSampler:
             x = self._xtc(x)
         if p.top_k > 0:
             x = apply_top_k(x, p.top_k)
-        return mx.random.categorical(x * (1.0 / p.temperature), key=self.next_key())
+        return x * (1.0 / p.temperature)
 
     def _xtc(self, logits: mx.array) -> mx.array:
         p = self.params

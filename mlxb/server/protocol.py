@@ -10,7 +10,7 @@ from mlxb.engine.gateway import GenerationInput
 from mlxb.errors import MlxbError, ValidationError
 from mlxb.request import RequestOutput, SamplingParams
 
-UNSUPPORTED = ("adapters", "draft_model", "num_draft_tokens", "functions", "function_call", "n", "best_of",
+UNSUPPORTED = ("adapters", "draft_model", "functions", "function_call", "n", "best_of",
                "suffix", "echo", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
 
 NUM = (int, float)
@@ -106,6 +106,7 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
                           chat_template_kwargs=_get(body, "chat_template_kwargs", dict, None),
                           ignore_eos=_get(body, "ignore_eos", bool, False),
                           cache_prompt=_get(body, "cache_prompt", bool, True),
+                          num_draft_tokens=_get(body, "num_draft_tokens", int, None),
                           response_format=_get(body, "response_format", dict, None),
                           structured_outputs=_get(body, "structured_outputs", dict, None))
     if chat:
@@ -166,8 +167,11 @@ def logprobs_completion(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
 
 
 def usage(u: dict) -> dict:
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+    out = {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+           "total_tokens": u["total_tokens"], "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+    if "draft_tokens" in u:  # --spec: this request's draft tokens and how many the model kept
+        out["draft_tokens"], out["accepted_tokens"] = u["draft_tokens"], u["accepted_tokens"]
+    return out
 
 
 def finish(reason: Optional[str]) -> Optional[str]:

@@ -1,0 +1,318 @@
+"""Speculative decoding on the batch lane: proposers, per-row acceptance, rollback of rejected tails.
+
+One verify step replaces one decode step when some row has proposals:
+
+* each row's proposer looks at the row's history (prompt + emitted tokens) and returns 0..k draft
+  tokens; the step feeds ``[B, 1 + W]`` tokens (the row's pending input, its drafts, then padding up to
+  the widest proposal W) in one target forward;
+* each row walks its own positions: a draft is kept while it equals the target's choice (greedy), or
+  by the speculative-sampling rule for a sampled row (below); the first mismatch is replaced by the
+  target's own token, and a row whose drafts all pass also gets the bonus token after them. Rows
+  without drafts get exactly one token, as in a plain step;
+* the rejected tail (and the padding) leaves the caches per row: single-row caches ``trim``; batch
+  layers roll each row right by its rejected count, so the rejected entries become left padding, and
+  drop the padding every row shares (``rollback``).
+
+Sampled rows (temperature > 0) with a lookup draft, which has no draft distribution (a point mass on
+the draft token d): accept d with probability pi(d), where pi is the distribution the row would draw
+from (its filters and temperature); on rejection draw from pi with d removed and renormalized. Then
+P(d) = pi(d) and P(y) = (1 - pi(d)) * pi(y) / (1 - pi(d)) = pi(y): the output distribution is the
+target's exactly.
+
+Only full-attention and latent layers can roll back a rejected tail here; a model with sliding-window
+or recurrent layers decodes plainly, and ``/stats`` says why. Constrained (grammar) rows do not
+speculate; they share the batch with rows that do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mlxb.cache.protocol import roll_rows
+
+METHODS = ("lookup", "draft")
+MISS_LIMIT, COOLDOWN = 4, 16  # verify steps with nothing accepted, then steps without proposals
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """``--spec lookup --num-draft-tokens K --lookup-ngram N``."""
+
+    method: str = "lookup"
+    num_draft_tokens: int = 4
+    lookup_ngram: int = 3
+    adaptive: bool = True
+    draft_model: Any = field(default=None, compare=False, repr=False)  # the loaded model (--spec draft)
+    draft_name: Optional[str] = None
+    max_batch: int = 1  # speculate only while the batch has at most this many rows (--spec-max-batch)
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"--spec {self.method}: choose one of {', '.join(METHODS)}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("--spec draft needs --draft-model (and --draft-model needs --spec draft)")
+        if self.max_batch < 1:
+            raise ValueError("--spec-max-batch must be at least 1")
+        if not 1 <= self.num_draft_tokens <= 32:
+            raise ValueError("--num-draft-tokens must be between 1 and 32")
+        if not 1 <= self.lookup_ngram <= 16:
+            raise ValueError("--lookup-ngram must be between 1 and 16")
+
+
+class LookupProposer:
+    """Prompt lookup (n-gram copy): find the most recent earlier occurrence of the history's last n
+    tokens (n from ``ngram`` down to 1) that is followed by k tokens (else the most recent one) and
+    propose the tokens that followed it."""
+
+    def __init__(self, ngram: int = 3):
+        self.ngram = ngram
+
+    def propose(self, history: np.ndarray, k: int) -> list[int]:
+        n_hist = history.shape[0]
+        if k <= 0 or n_hist < 2:
+            return []
+        for n in range(min(self.ngram, n_hist - 1), 0, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)  # starts 0 .. n_hist-1-n
+            hits = np.flatnonzero((windows == history[-n:]).all(axis=1))
+            if hits.size:  # the latest match that is followed by k tokens, else the latest match
+                full = hits[hits + n + k <= n_hist]
+                s = int(full[-1] if full.size else hits[-1]) + n
+                return history[s : s + k].tolist()
+        return []
+
+
+@dataclass
+class RowSpec:
+    """One row's speculation state."""
+
+    k: int  # proposal length now (adaptive, at most ``kmax``)
+    kmax: int
+    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    drafted: int = 0
+    accepted: int = 0
+    misses: int = 0
+    cooldown: int = 0
+
+    def adapt(self, n: int, a: int) -> None:
+        """After a verify step in which this row drafted ``n`` and kept ``a`` of them."""
+        self.drafted += n
+        self.accepted += a
+        if n == 0:
+            return
+        self.k = min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
+        self.misses = self.misses + 1 if a == 0 else 0
+        if self.misses >= MISS_LIMIT:
+            self.misses, self.cooldown = 0, COOLDOWN
+
+
+def accept_sampled(sampler, logprobs: mx.array, draft: int) -> tuple[int, bool]:
+    """The speculative-sampling rule for a point-mass draft (see the module notes)."""
+    x = sampler.draw_logits(logprobs)  # [1, V]
+    pi = mx.softmax(x, axis=-1)
+    u = mx.random.uniform(key=sampler.next_key())
+    if (u < pi[0, draft]).item():
+        return draft, True
+    rest = mx.where(mx.arange(x.shape[-1]) == draft, -mx.inf, x)
+    return int(mx.random.categorical(rest, key=sampler.next_key()).item()), False
+
+
+def rollback(caches: list, kinds: list, shifts: list[int], merged: bool, trim: Optional[int] = None) -> None:
+    """Drop each row's last ``shifts[i]`` cache entries (see the module notes). ``trim``: leading
+    columns that are padding in every row afterwards (the caller knows it on the host; None: read from
+    the first layer), dropped too. The rolled rows are written back into the buffer, which keeps its
+    spare width, so the next step does not regrow it."""
+    if not any(shifts):
+        return
+    if not merged:
+        for c in caches:
+            c.trim(shifts[0])
+        return
+    s = mx.array(shifts)
+    if trim is None:
+        first = next((c for c in caches if c.keys is not None), None)
+        trim = 0 if first is None else min((first.left_padding + s).tolist())
+    for c, k in zip(caches, kinds):
+        assert k in ("full", "latent"), k
+        if c.keys is None:
+            continue
+        n = c._idx
+        for a in (c.keys + c.values) if isinstance(c.keys, tuple) else (c.keys, c.values):
+            a[..., :n, :] = roll_rows(a[..., :n, :], shifts)  # packed quantized layers: every part alike
+        c.offset = c.offset - s
+        c.left_padding = c.left_padding + s
+        if trim > 0:
+            if isinstance(c.keys, tuple):
+                c.keys = tuple(a[..., trim:, :] for a in c.keys)
+                c.values = tuple(a[..., trim:, :] for a in c.values)
+            else:
+                c.keys, c.values = c.keys[..., trim:, :], c.values[..., trim:, :]
+            c._idx -= trim
+            c.left_padding = c.left_padding - trim
+
+
+def setup(spec: Optional[SpecConfig], kinds: list) -> tuple:
+    """(config, why it cannot run on this model or None, proposer or None)."""
+    off = off_reason(kinds) if spec is not None else None
+    if spec is None or off is not None:
+        return spec, off, None
+    if spec.method == "draft":
+        from mlxb.engine.draft import DraftProposer
+
+        return spec, off, DraftProposer(spec.draft_model)
+    return spec, off, LookupProposer(spec.lookup_ngram)
+
+
+def row_spec(r, req) -> Optional[RowSpec]:
+    """A new row's speculation state: the request's ``num_draft_tokens`` (0: off) or the server's."""
+    if r.proposer is None:
+        return None
+    k = r.spec.num_draft_tokens if req.num_draft_tokens is None else req.num_draft_tokens
+    if k <= 0:
+        return None
+    req.spec_drafted = 0
+    return RowSpec(k, k, np.asarray(req.prompt_ids, dtype=np.int64))
+
+
+def off_reason(kinds: list) -> Optional[str]:
+    bad = sorted({k for k in kinds if k not in ("full", "latent")})
+    if bad:
+        return (f"this model has {', '.join(bad)} layers, whose rejected tails cannot be rolled back here; "
+                "it decodes without speculation")
+    return None
+
+
+def spec_step(r) -> tuple[list, Optional[list]]:
+    """(tokens read early, verify step's tokens or None for a plain step). Drafts need every emitted
+    token, so a row that may propose first has the pending (pipelined) tokens read."""
+    for row in r.rows:
+        if row.spec is not None and row.spec.cooldown > 0:
+            row.spec.cooldown -= 1
+    if len(r.rows) > r.spec.max_batch or not wants_verify(r.rows):
+        return [], None
+    flushed = []
+    if any(p is not None for p in r.pending):
+        flushed = r._emit_pending(r.register, r.pending, r.pending_geo)
+        r.pending = [None] * len(r.rows)
+    props = propose_all(r)
+    return flushed, (verify_step(r, props) if any(props) else None)
+
+
+def wants_verify(rows) -> bool:
+    """Some row may propose this step (a speculating row not in cooldown, unconstrained)."""
+    return any(r.spec is not None and r.spec.cooldown == 0 and r.sampler.constraint is None for r in rows)
+
+
+def propose_all(r) -> list[list[int]]:
+    """Every row's drafts for this step ([] for rows that do not speculate now)."""
+    ks = []
+    for row in r.rows:
+        st = row.spec
+        if st is None or row.sampler.constraint is not None or st.cooldown > 0:
+            ks.append(0)
+            continue
+        ks.append(max(0, min(st.k, row.req.max_tokens - row.steps - 1)))  # a verify step emits up to k + 1
+    if hasattr(r.proposer, "propose_rows"):  # a draft model proposes for the whole batch at once
+        return r.proposer.propose_rows(r, ks)
+    out = []
+    for row, k in zip(r.rows, ks):
+        st = row.spec
+        if st is None or k == 0:
+            out.append([])
+            continue
+        props = r.proposer.propose(np.concatenate([st.prompt, np.asarray(row.tokens, dtype=np.int64)]), k)
+        if not props:
+            st.misses += 1  # nothing to propose counts as a miss: a run of them pauses the lookups
+            if st.misses >= MISS_LIMIT:
+                st.misses, st.cooldown = 0, COOLDOWN
+        out.append(props)
+    return out
+
+
+def verify_step(r, props: list[list[int]]) -> list:
+    """One target forward over every row's pending input and drafts; returns the emitted tokens (all
+    of them read: nothing stays pending)."""
+    from mlxb.cache.quantized import maybe_quantize
+
+    t0 = time.perf_counter()
+    rows = r.rows
+    width = max(len(p) for p in props)
+    regs = r.register.tolist()
+    fed = [[regs[i]] + p + [regs[i]] * (width - len(p)) for i, p in enumerate(props)]
+    x = mx.array(fed, dtype=mx.uint32)
+    logits = r.model(x, cache=r.caches)  # [B, 1 + W, V]
+    lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    choice = mx.argmax(lp_all, axis=-1)
+    t1 = time.perf_counter()
+    mx.eval(choice)
+    choice = choice.tolist()
+    t2 = time.perf_counter()
+    out, kept, last = [], [], []
+    for i, row in enumerate(rows):
+        p = props[i]
+        fast = row.sampler.greedy and not row.sampler.processors and row.sampler.constraint is None
+        want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
+        toks = []
+        if fast:
+            a = 0
+            while a < len(p) and p[a] == choice[i][a]:
+                a += 1
+            toks = choice[i][: a + 1]
+            for j, t in enumerate(toks):
+                out.append(r._emit(row, t, lp_all[i, j : j + 1] if want_lp else None))
+        else:
+            for j in range(len(p) + 1):
+                ctx = None if row.context is None else mx.concatenate([row.context, x[i, : j + 1]])
+                lg = row.sampler.process(ctx, logits[i, j : j + 1])
+                if row.sampler.constraint is not None:
+                    lg = row.sampler.constraint.apply(lg)
+                lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+                if j < len(p):
+                    t, ok = ((int(mx.argmax(lp, axis=-1).item()), None) if row.sampler.greedy
+                             else accept_sampled(row.sampler, lp, p[j]))
+                    ok = (t == p[j]) if ok is None else ok
+                else:
+                    t, ok = int(row.sampler.sample(lp).item()), False
+                toks.append(t)
+                out.append(r._emit(row, t, lp if want_lp else None))
+                if not ok:
+                    break
+            a = len(toks) - 1
+        if row.context is not None:
+            row.context = mx.concatenate([row.context, x[i, : a + 1]])
+        if row.spec is not None and p:
+            row.spec.adapt(len(p), a)
+            row.req.spec_drafted, row.req.spec_accepted = row.spec.drafted, row.spec.accepted
+        r.spec_counts["drafted"] += len(p)
+        r.spec_counts["accepted"] += a
+        kept.append(a)
+        last.append(toks[-1])
+    t3 = time.perf_counter()
+    trim = 0
+    if r.merged and r._geo_layer is not None:  # padding every row shares after the rollback, from host lengths
+        idx = r.caches[r._geo_layer]._idx
+        trim = min(idx - (row.base + r.num_steps + 1 + a) for row, a in zip(rows, kept))
+    rollback(r.caches, r.kinds, [width - a for a in kept], r.merged, trim)
+    if hasattr(r.proposer, "commit"):
+        r.proposer.commit(r, kept)
+    if r.kv is not None and not r.merged:  # a lone row converts as generate_step does
+        off = next((c.offset for c, k in zip(r.caches, r.kinds) if k == "full"), 0)
+        r.caches = maybe_quantize(r.caches, r.kinds, r.kv, int(off))
+    for row, a in zip(rows, kept):
+        row.base += a  # the step counter adds the pending input; accepted drafts are extra
+    r.register = mx.array(last, dtype=mx.uint32)
+    r.pending = [None] * len(rows)
+    r.pending_geo = None
+    r.num_steps += 1
+    r.spec_counts["verify_steps"] += 1
+    r._align()
+    tm = r.timing  # host seconds: build the forward, wait for it, accept and emit, roll back
+    tm["verify_build_s"] += t1 - t0
+    tm["verify_wait_s"] += t2 - t1
+    tm["verify_accept_s"] += t3 - t2
+    tm["verify_rollback_s"] += time.perf_counter() - t3
+    return out
