@@ -39,17 +39,36 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from mlxb.cache.holes import compact, unholed
 from mlxb.engine.outputs import KVProjection, LayerBytes
 
 class AlignedBatchKVCache(BatchKVCache):
     """``BatchKVCache`` whose owner may declare it unpadded (``aligned``); see the module notes."""
 
     aligned = False  # set by the runner from host-side row lengths; never guessed
+    holes = None  # rejected speculative entries, masked in place (mlxb/cache/holes.py)
+    hole_counts = None
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if self.holes is not None:
+            return unholed(self, BatchKVCache.make_mask(self, N, return_array=True, **kwargs))
         if N == 1 and self.aligned and not return_array:
             return None  # the same result as an all-True mask
         return super().make_mask(N, return_array=return_array, **kwargs)
+
+    # rows leave or join only without holes (moved to the left padding first)
+    def filter(self, batch_indices):
+        compact(self)
+        super().filter(batch_indices)
+
+    def extend(self, other):
+        compact(self)
+        compact(other)
+        super().extend(other)
+
+    def extract(self, idx):
+        compact(self)
+        return super().extract(idx)
 
     # NOTE: merge and finalize give mlx-lm's arrays bit for bit (a contract test compares them) but
     # move data with contiguous slices and concatenations only. mlx-lm's merge writes row by row into

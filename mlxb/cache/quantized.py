@@ -24,6 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxb.cache.holes import compact, unholed
 from mlxb.cache.kv_plan import KVPlan, KVScheme, as_plan, check_plan, fit_plan  # noqa: F401 (re-exported)
 from mlxb.cache.protocol import AlignedBatchKVCache, roll_rows
 from mlxb.cache.quantized_read import QuantizedRowCache, as_row, contiguous, hide_tail, whole_buffer_reads, width_after
@@ -89,7 +90,8 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
         if not whole_buffer_reads():
             return super().make_mask(N, return_array=return_array, **kwargs)
         width = width_after(None if self.keys is None else self.keys[0].shape[2], self._idx, N, self.step)
-        return hide_tail(BatchKVCache.make_mask(self, N, return_array=True, **kwargs), width)
+        mask = BatchKVCache.make_mask(self, N, return_array=True, **kwargs)
+        return hide_tail(unholed(self, mask) if self.holes is not None else mask, width)
 
     def keys_and_values(self):
         return _tmap(lambda a: a[..., : self._idx, :], self.keys), _tmap(lambda a: a[..., : self._idx, :], self.values)
@@ -136,6 +138,8 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
         return cache
 
     def extend(self, other: "BatchQuantizedKVCache"):
+        compact(self)
+        compact(other)
         if (self.group_size, self.bits) != (other.group_size, other.bits):
             raise ValueError("rows of different KV schemes cannot share a batch layer")
         if self.keys is None and other.keys is None:
@@ -166,6 +170,7 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
         self._idx = idx
 
     def filter(self, batch_indices):
+        compact(self)
         idx = mx.array(batch_indices) if not isinstance(batch_indices, mx.array) else batch_indices
         if self.keys is not None:
             self.keys, self.values = _tmap(lambda a: a[idx], self.keys), _tmap(lambda a: a[idx], self.values)
@@ -180,6 +185,7 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
             self.left_padding -= trim
 
     def extract(self, idx: int) -> QuantizedKVCache:
+        compact(self)
         c = QuantizedRowCache(group_size=self.group_size, bits=self.bits)
         pad = self.left_padding.tolist()[idx]
         c.keys = _tmap(lambda a: mx.contiguous(a[idx : idx + 1, :, pad : self._idx]), self.keys)

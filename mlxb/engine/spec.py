@@ -9,9 +9,9 @@ One verify step replaces one decode step when some row has proposals:
   by the speculative-sampling rule for a sampled row (below); the first mismatch is replaced by the
   target's own token, and a row whose drafts all pass also gets the bonus token after them. Rows
   without drafts get exactly one token, as in a plain step;
-* the rejected tail (and the padding) leaves the caches per row: single-row caches ``trim``; batch
-  layers roll each row right by its rejected count, so the rejected entries become left padding, and
-  drop the padding every row shares (``rollback``).
+* the rejected tail (and the padding) leaves the caches per row: single-row caches ``trim``; in batch
+  layers the rejected entries stay in place as masked holes and the row's position goes back
+  (``mlxb/cache/holes.py``), compacted into the left padding now and then (``rollback``).
 
 Sampled rows (temperature > 0) with a lookup draft, which has no draft distribution (a point mass on
 the draft token d): accept d with probability pi(d), where pi is the distribution the row would draw
@@ -33,10 +33,12 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlxb.cache.protocol import roll_rows
+from mlxb.cache.holes import compact, mark_holes
 
 METHODS = ("lookup", "draft")
-MISS_LIMIT, COOLDOWN = 4, 16  # verify steps with nothing accepted, then steps without proposals
+MISS_LIMIT, COOLDOWN, MAX_COOLDOWN = 4, 16, 128  # lookups that find nothing; steps without proposals
+ALPHA0, MIN_GAIN = 0.7, 2.0  # starting acceptance estimate; tokens a verify step must be expected to give
+HOLE_MIN, HOLE_FRACTION = 32, 8  # compact a batch layer's holes past max(32, width / 8) in one row
 
 
 @dataclass(frozen=True)
@@ -97,17 +99,25 @@ class RowSpec:
     accepted: int = 0
     misses: int = 0
     cooldown: int = 0
+    alpha: float = ALPHA0  # running per-draft acceptance
+    backoff: int = COOLDOWN
 
     def adapt(self, n: int, a: int) -> None:
-        """After a verify step in which this row drafted ``n`` and kept ``a`` of them."""
+        """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
+        length, and a pause (doubling while it keeps failing) when the tokens a verify step is expected
+        to give, 1 + alpha + ... + alpha^k, fall below ``MIN_GAIN``: a verify step costs more than a
+        plain one (a wider forward, and the host waits for it)."""
         self.drafted += n
         self.accepted += a
         if n == 0:
             return
         self.k = min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
-        self.misses = self.misses + 1 if a == 0 else 0
-        if self.misses >= MISS_LIMIT:
-            self.misses, self.cooldown = 0, COOLDOWN
+        self.alpha = 0.6 * self.alpha + 0.4 * (a / n)
+        if sum(self.alpha ** j for j in range(self.kmax + 1)) < MIN_GAIN:
+            self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
+            self.alpha = ALPHA0  # probe again after the pause
+        else:
+            self.backoff = COOLDOWN
 
 
 def accept_sampled(sampler, logprobs: mx.array, draft: int) -> tuple[int, bool]:
@@ -121,38 +131,21 @@ def accept_sampled(sampler, logprobs: mx.array, draft: int) -> tuple[int, bool]:
     return int(mx.random.categorical(rest, key=sampler.next_key()).item()), False
 
 
-def rollback(caches: list, kinds: list, shifts: list[int], merged: bool, trim: Optional[int] = None) -> None:
-    """Drop each row's last ``shifts[i]`` cache entries (see the module notes). ``trim``: leading
-    columns that are padding in every row afterwards (the caller knows it on the host; None: read from
-    the first layer), dropped too. The rolled rows are written back into the buffer, which keeps its
-    spare width, so the next step does not regrow it."""
+def rollback(caches: list, kinds: list, shifts: list[int], merged: bool) -> None:
+    """Drop each row's last ``shifts[i]`` cache entries: single-row caches ``trim``; in batch layers
+    they become masked holes in place (``mlxb/cache/holes.py``), compacted into the left padding once
+    a row holds more than ``max(HOLE_MIN, width // HOLE_FRACTION)`` of them."""
     if not any(shifts):
         return
     if not merged:
         for c in caches:
             c.trim(shifts[0])
         return
-    s = mx.array(shifts)
-    if trim is None:
-        first = next((c for c in caches if c.keys is not None), None)
-        trim = 0 if first is None else min((first.left_padding + s).tolist())
     for c, k in zip(caches, kinds):
         assert k in ("full", "latent"), k
-        if c.keys is None:
-            continue
-        n = c._idx
-        for a in (c.keys + c.values) if isinstance(c.keys, tuple) else (c.keys, c.values):
-            a[..., :n, :] = roll_rows(a[..., :n, :], shifts)  # packed quantized layers: every part alike
-        c.offset = c.offset - s
-        c.left_padding = c.left_padding + s
-        if trim > 0:
-            if isinstance(c.keys, tuple):
-                c.keys = tuple(a[..., trim:, :] for a in c.keys)
-                c.values = tuple(a[..., trim:, :] for a in c.values)
-            else:
-                c.keys, c.values = c.keys[..., trim:, :], c.values[..., trim:, :]
-            c._idx -= trim
-            c.left_padding = c.left_padding - trim
+        mark_holes(c, shifts)
+        if c.hole_counts and max(c.hole_counts) > max(HOLE_MIN, c._idx // HOLE_FRACTION):
+            compact(c)
 
 
 def setup(spec: Optional[SpecConfig], kinds: list) -> tuple:
@@ -225,10 +218,12 @@ def propose_all(r) -> list[list[int]]:
             out.append([])
             continue
         props = r.proposer.propose(np.concatenate([st.prompt, np.asarray(row.tokens, dtype=np.int64)]), k)
-        if not props:
-            st.misses += 1  # nothing to propose counts as a miss: a run of them pauses the lookups
+        if not props:  # a run of lookups that find nothing pauses them (each costs the pipelining)
+            st.misses += 1
             if st.misses >= MISS_LIMIT:
-                st.misses, st.cooldown = 0, COOLDOWN
+                st.misses, st.cooldown, st.backoff = 0, st.backoff, min(2 * st.backoff, MAX_COOLDOWN)
+        else:
+            st.misses = 0
         out.append(props)
     return out
 
@@ -292,11 +287,7 @@ def verify_step(r, props: list[list[int]]) -> list:
         kept.append(a)
         last.append(toks[-1])
     t3 = time.perf_counter()
-    trim = 0
-    if r.merged and r._geo_layer is not None:  # padding every row shares after the rollback, from host lengths
-        idx = r.caches[r._geo_layer]._idx
-        trim = min(idx - (row.base + r.num_steps + 1 + a) for row, a in zip(rows, kept))
-    rollback(r.caches, r.kinds, [width - a for a in kept], r.merged, trim)
+    rollback(r.caches, r.kinds, [width - a for a in kept], r.merged)
     if hasattr(r.proposer, "commit"):
         r.proposer.commit(r, kept)
     if r.kv is not None and not r.merged:  # a lone row converts as generate_step does

@@ -4,12 +4,14 @@ Synthetic arrays only: each row's values encode (row, position) so any misplaced
 """
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from mlxb.cache.protocol import ROW_OPS, layer_kind, nbytes
 
 H, D, W = 2, 4, 8  # heads, head dim, sliding window
+D_ = D
 
 
 def kv_solo(row: int, length: int, cls=KVCache, **kw):
@@ -327,3 +329,37 @@ def test_quantized_ring_is_stored_as_mlx_lm_classes_and_comes_back(tmp_path):
     assert snap.is_stored_ring(back) and snap.layer_nbytes(back) == ring.nbytes
     lent = snap.lend(back, "rotating", None)
     assert (lent.bits, lent.group_size) == (8, 32) and ring_same(lent, ring)
+
+
+# ---- speculative rollback: rejected entries as holes (mlxb/cache/holes.py) -------------------------
+@pytest.mark.parametrize("quantized", [False, True])
+def test_holes_hide_rejected_entries_and_compaction_gives_each_row_back(quantized):
+    """Rows write 1 + W entries, keep 1 + a_i: after marking holes, the attention mask hides exactly the
+    rejected columns, and extract (which compacts) gives each row as if only its kept entries had been
+    written, bit for bit; the RoPE offsets count kept entries only."""
+    from mlxb.cache.holes import mark_holes
+
+    lengths, kept, W = [5, 3, 9], [2, 0, 3], 3
+    mk = (lambda r, n: q_solo(r, n)) if quantized else (lambda r, n: kv_solo(r, n))
+    solos = [mk(r, n) for r, n in enumerate(lengths)]
+    ops = ROW_OPS["full"]
+    b = ops.to_batch(solos)
+    D = QD if quantized else D_
+    step = mx.stack([mx.random.normal((H, 1 + W, D), key=mx.random.key(50 + r)) for r in range(3)])
+    b.update_and_fetch(step, step * 0.5)
+    mark_holes(b, [W - a for a in kept])
+    assert b.offset.tolist() == [n + 1 + a for n, a in zip(lengths, kept)]
+    mask = b.make_mask(1)
+    width = b._idx + 1
+    for r, (n, a) in enumerate(zip(lengths, kept)):
+        visible = np.array(mask[r, 0, 0]).tolist()
+        want = [False] * (width - 1 - (n + 1 + W)) + [True] * (n + 1 + a) + [False] * (W - a) + [True]
+        assert visible == want, r
+    for r, (n, a) in enumerate(zip(lengths, kept)):
+        ref = mk(r, n)
+        ref.update_and_fetch(step[r : r + 1, :, : 1 + a], step[r : r + 1, :, : 1 + a] * 0.5)
+        got = ops.extract(b, r)
+        if quantized:
+            assert q_same(got, ref), r
+        else:
+            assert same([got.keys[..., : got.offset, :]], [ref.keys[..., : ref.offset, :]]), r

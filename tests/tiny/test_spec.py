@@ -91,8 +91,8 @@ def test_planted_rollback_off_by_one_changes_the_output(tiny_models, monkeypatch
     prompts = repetitive_prompts()
     plain, _ = run(model, tok, prompts, [0, 2, 5, 9], 4, 30)
     real = S.rollback
-    monkeypatch.setattr(S, "rollback", lambda caches, kinds, shifts, merged, trim=None: real(
-        caches, kinds, [max(0, s - 1) for s in shifts], merged, None))
+    monkeypatch.setattr(S, "rollback", lambda caches, kinds, shifts, merged: real(
+        caches, kinds, [max(0, s - 1) for s in shifts], merged))
     bad, eng = run(model, tok, prompts, [0, 2, 5, 9], 4, 30, spec=SPEC)
     assert eng.spec_stats()["verify_steps"] > 0  # rows shorter than the widest proposal roll back padding
     assert any(tokens(a) != tokens(b) for a, b in zip(plain, bad))
@@ -252,3 +252,17 @@ def test_speculation_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny_m
     assert [tokens(a) for a in plain] == [tokens(b) for b in out]
     _, alone = run(model, tok, prompts, [0, 0, 0, 0], 4, [20, 30, 40, 50], spec=SpecConfig("lookup", 4, 3, max_batch=1))
     assert alone.spec_stats()["verify_steps"] > 0
+
+
+def test_holes_compacted_every_step_change_no_token(tiny_models, monkeypatch):
+    """Rejected entries stay as masked holes; compacting them into the left padding at every step (the
+    bound at zero) gives the same tokens as leaving them until rows retire."""
+    import mlxb.engine.spec as S
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    prompts = repetitive_prompts()
+    lazy, _ = run(model, tok, prompts, [0, 2, 5, 9], 4, 30, spec=SPEC)
+    monkeypatch.setattr(S, "HOLE_MIN", 0)
+    monkeypatch.setattr(S, "HOLE_FRACTION", 10**9)
+    eager, _ = run(model, tok, prompts, [0, 2, 5, 9], 4, 30, spec=SPEC)
+    assert [tokens(a) for a in lazy] == [tokens(b) for b in eager]
