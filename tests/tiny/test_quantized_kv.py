@@ -312,3 +312,38 @@ def test_kv_config_kind_keys_keep_sliding_window_layers_full(tiny_models, tmp_pa
     names = [type(c).__name__ for c in eng.last_caches]
     assert names == ["BatchQuantizedRotatingKVCache", "BatchQuantizedKVCache", "BatchRotatingKVCache",
                      "BatchQuantizedKVCache"], names
+
+
+def test_serial_lane_runs_a_per_layer_plan_layer_by_layer(llama):
+    """--batch 1 with a --kv-config: mlx-lm's generate_step converts through each layer's own
+    to_quantized, so a layer the plan keeps stays full width; a lone row gives the same tokens and
+    logprob vectors on the serial lane and on the batch lane."""
+    from mlxb.cache.kv_plan import KVPlan
+    from mlxb.cache.quantized import serial_caches
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok = llama
+    n = len(model.layers)
+    plan = KVPlan([None] + [KVScheme(4, GROUP, 0)] * (n - 1))
+    p = np.random.default_rng(9).integers(5, 8000, size=40).tolist()
+    (serial,), _, e1 = engine_rows_plan_lane(model, tok, p, plan, 1)
+    (batch,), _, _ = engine_rows_plan_lane(model, tok, p, plan, 4)
+    assert e1.counters["serial_requests"] == 1 and same(serial, batch)
+    caches = serial_caches(make_prompt_cache(model), ["full"] * n, plan)
+    conv = [c.to_quantized(group_size=64, bits=8) for c in caches]
+    assert conv[0] is caches[0] and all(hasattr(c, "bits") and c.bits == 4 for c in conv[1:])
+
+
+def engine_rows_plan_lane(model, tok, prompt, plan, batch):
+    recs = {}
+
+    def capture(rid, step, token, vec, geo):
+        recs.setdefault(rid, []).append((token, vec))
+
+    eng = Engine(model, tok, max_batch=batch, prefill_chunk=16, capture=capture, kv_scheme=plan)
+    r = Request("r0", prompt, 10, SamplingParams(), ignore_eos=True)
+    r.mechanism = "continuous" if batch > 1 else "serial"
+    eng.accept(r, OutputStream(r.request_id))
+    while eng._live or eng._serial:
+        eng.iterate()
+    return [recs["r0"]], None, eng
