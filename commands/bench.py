@@ -26,6 +26,19 @@ def _tokenizer_and_path(model: Optional[str], dtype: Optional[str]):
     return spec, path, load_tokenizer(path), vocab
 
 
+def _resolved_args(args: list, dtype: Optional[str]) -> list:
+    """A cell's server_args with model references (``--draft-model tiny-llama``) as folders, which
+    every stack (mlx_lm.server included) opens."""
+    from mlxb.bench.matrix import MODEL_ARGS
+    from mlxb.models.registry import model_path, resolve_model
+
+    out = list(args)
+    for i, a in enumerate(out[:-1]):
+        if a in MODEL_ARGS:
+            out[i + 1] = str(model_path(resolve_model(out[i + 1], dtype)))
+    return out
+
+
 def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, cells, dtype, bench_name, api_key=None):
     """Start what is needed, run the matrix on every stack, stop what we started, store and print."""
     from mlxb.bench import servers
@@ -36,7 +49,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
     chosen = [c for c in matrix.cells if not cells or c.name in cells]
     groups: dict[tuple, list[str]] = {}
     for c in chosen:  # cells that need other server flags get their own server starts
-        groups.setdefault(tuple(c.server_args), []).append(c.name)
+        groups.setdefault(tuple(_resolved_args(c.server_args, dtype)), []).append(c.name)
     if base_url and any(groups.keys() - {()}):
         raise ValidationError("cells with server_args (" + ", ".join(c.name for c in chosen if c.server_args)
                               + ") need servers this command starts; leave out --base-url or those cells")

@@ -36,7 +36,8 @@ class Cell:
 
 
 # server flags a cell may set: both stacks take them under the same name and meaning
-SERVER_ARGS = {"--kv-bits", "--kv-group-size", "--quantized-kv-start"}
+SERVER_ARGS = {"--kv-bits", "--kv-group-size", "--quantized-kv-start", "--draft-model", "--num-draft-tokens"}
+MODEL_ARGS = {"--draft-model"}  # values are model references, resolved to folders before the stacks start
 
 
 @dataclass

@@ -265,8 +265,8 @@ def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjectio
                 if any(d % scheme.group_size for d in dims):
                     fits = [g for g in (32, 64, 128) if not any(d % g for d in dims)]
                     raise ValueError(f"--kv-group-size {scheme.group_size} does not divide this model's head dimension "
-                                     f"({', '.join(map(str, sorted(dims)))}); choose "
-                                     + (" or ".join(map(str, fits)) if fits else "another model: no group size fits"))
+                                     f"({', '.join(map(str, sorted(dims)))}); choose a group size that divides it: "
+                                     + (" or ".join(map(str, fits)) if fits else "none of 32, 64, 128 does"))
                 q = scheme.bytes_per_token(c.keys.shape[1], c.keys.shape[3], c.values.shape[3], c.keys.dtype.size)
                 layers.append(LayerBytes(kind, q, window, 0, per_tok, scheme.start))
                 continue

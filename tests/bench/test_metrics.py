@@ -57,9 +57,11 @@ def test_knee_stops_at_first_breach():
 
 def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
-    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json", "kv4"]
+    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json",
+                                         "kv4", "spec"]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
-    assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"]]
+    assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"],
+                                                                 ["--draft-model", "tiny-llama", "--num-draft-tokens", "4"]]
     bad = tmp_path / "m.toml"
     cases = [
         ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\n\n[[cell]]\nname = "b"\ndataset = "random"\nfoo = 1\n',
@@ -135,6 +137,10 @@ def test_verdict_indistinguishable_when_ci_straddles_one(tmp_path):
 
 def test_cell_server_args_reach_both_stacks():
     from mlxb.bench.servers import command
+    from mlxb.commands.bench import _resolved_args
+
+    args = _resolved_args(["--draft-model", "tiny-llama", "--num-draft-tokens", "4"], None)
+    assert args[0] == "--draft-model" and args[1].startswith("/") and args[2:] == ["--num-draft-tokens", "4"]
 
     for stack in ("mlxb", "mlx-lm"):
         cmd = command(stack, "/m", 1234, 8, 2048, 64, "/tmp/pc", ("--kv-bits", "4"))
