@@ -71,6 +71,11 @@ class Engine:
 
         self.kv_scheme = fit_plan(as_plan(kv_scheme, len(self.kinds)), model)  # mlxb.cache.quantized.KVPlan or None
         self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
+        if self.projection is not None and spec is not None and spec.draft_model is not None:
+            from mlxb.engine.outputs import KVProjection
+
+            d = spec.draft_model  # a draft model keeps one plain cache row per target row: admission counts it
+            self.projection = KVProjection(self.projection.layers + kv_projection(d, layer_kinds(d)).layers)
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(

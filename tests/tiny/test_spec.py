@@ -266,3 +266,12 @@ def test_holes_compacted_every_step_change_no_token(tiny_models, monkeypatch):
     monkeypatch.setattr(S, "HOLE_FRACTION", 10**9)
     eager, _ = run(model, tok, prompts, [0, 2, 5, 9], 4, 30, spec=SPEC)
     assert [tokens(a) for a in lazy] == [tokens(b) for b in eager]
+
+
+def test_draft_model_kv_counts_at_admission(tiny_models):
+    target, tok = tiny_models("tiny-minicpm")[:2]
+    draft = tiny_models("tiny-llama")[0]
+    alone = Engine(target, tok, max_batch=4).projection.row_bytes(1000)
+    with_draft = Engine(target, tok, max_batch=4, spec=SpecConfig("draft", 4, draft_model=draft)).projection.row_bytes(1000)
+    draft_only = Engine(draft, tok, max_batch=4).projection.row_bytes(1000)
+    assert with_draft == alone + draft_only
