@@ -48,7 +48,6 @@ class SpecConfig:
     method: str = "lookup"
     num_draft_tokens: int = 4
     lookup_ngram: int = 3
-    adaptive: bool = True
     draft_model: Any = field(default=None, compare=False, repr=False)  # the loaded model (--spec draft)
     draft_name: Optional[str] = None
     max_batch: int = 1  # speculate only while the batch has at most this many rows (--spec-max-batch)
