@@ -93,15 +93,55 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
         engine.iterate()
     if engine._live:
         raise RuntimeError("warm-up could not drain its requests")
+    stats_spec = _warm_verify(engine, mechanism) if engine.runner.proposer is not None else None
     finished = [list(st)[-1].finish_reason for st in streams]  # every stream is closed by now
     stats = {"seconds": time.perf_counter() - t0, "iterations": it, "requests": len(streams), "skipped": skipped,
              "batched_steps": engine.counters["batched_steps"], "finished": finished}
+    if stats_spec is not None:
+        stats["verify_steps"] = stats_spec
     if engine.prompt_cache is not None:
         stats["cached_tokens"] = engine.prompt_cache.counters["cached_tokens"]
         engine.prompt_cache.reset()  # serve with an empty RAM tier: warm-up prompts are not kept
     engine.runner.drop_all()
     engine.runner.timing.clear()
+    engine.runner.spec_counts.clear()
     for key in engine.counters:
         engine.counters[key] = 0
     engine.scheduler.num_submitted = 0
     return stats
+
+
+class _RepeatLast:
+    """Warm-up drafts for lookup: the last token k times (usually rejected, which also runs the
+    rollback); real lookups need repeated text, which tiny warm-up prompts may not have."""
+
+    def propose(self, history, k: int) -> list[int]:
+        return [int(history[-1])] * k
+
+
+def _warm_verify(engine, mechanism: str, max_iterations: int = 80) -> int:
+    """--spec: verify steps at B=1 (and B=2 where --spec-max-batch allows), every draft width the
+    adaptive length reaches, so their kernels are compiled before traffic. Returns the verify steps."""
+    r = engine.runner
+    real = r.proposer
+    if not hasattr(real, "propose_rows"):
+        r.proposer = _RepeatLast()
+    try:
+        reqs = [Request(f"warmup-spec-{i}", _ids(12, 40 + i), r.spec.num_draft_tokens + 8, ignore_eos=True)
+                for i in range(min(2, r.spec.max_batch))]
+        for req in reqs:
+            req.mechanism = mechanism
+            engine.accept(req, OutputStream(req.request_id))
+        for _ in range(max_iterations):
+            if not engine._live:
+                break
+            engine.iterate()
+        for live in engine._live.values():
+            live.cancelled = True
+        for _ in range(4):
+            if engine._live:
+                engine.iterate()
+    finally:
+        r.proposer = real
+    return r.spec_counts["verify_steps"]
+

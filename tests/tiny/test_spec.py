@@ -275,3 +275,14 @@ def test_draft_model_kv_counts_at_admission(tiny_models):
     with_draft = Engine(target, tok, max_batch=4, spec=SpecConfig("draft", 4, draft_model=draft)).projection.row_bytes(1000)
     draft_only = Engine(draft, tok, max_batch=4).projection.row_bytes(1000)
     assert with_draft == alone + draft_only
+
+
+def test_warm_up_runs_verify_steps_then_leaves_the_engine_clean(tiny_models):
+    from mlxb.engine.warmup import warm_up
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    eng = Engine(model, tok, max_batch=4, prefill_chunk=16, spec=SpecConfig("lookup", 4, 3, max_batch=2))
+    stats = warm_up(eng)
+    assert stats["verify_steps"] > 0
+    assert eng.spec_stats()["verify_steps"] == 0 and not eng._live and eng.counters["steps"] == 0
+    assert eng.runner.proposer.__class__.__name__ == "LookupProposer"
