@@ -20,8 +20,9 @@ P(d) = pi(d) and P(y) = (1 - pi(d)) * pi(y) / (1 - pi(d)) = pi(y): the output di
 target's exactly.
 
 Only full-attention and latent layers can roll back a rejected tail here; a model with sliding-window
-or recurrent layers decodes plainly, and ``/stats`` says why. Constrained (grammar) rows do not
-speculate; they share the batch with rows that do.
+or recurrent layers decodes plainly, and ``/stats`` says why. Constrained (grammar) rows speculate
+through the per-row path: each position's mask comes from the matcher after the tokens before it,
+so a draft the grammar forbids is never kept.
 """
 
 from __future__ import annotations
@@ -195,8 +196,8 @@ def spec_step(r) -> tuple[list, Optional[list]]:
 
 
 def wants_verify(rows) -> bool:
-    """Some row may propose this step (a speculating row not in cooldown, unconstrained)."""
-    return any(r.spec is not None and r.spec.cooldown == 0 and r.sampler.constraint is None for r in rows)
+    """Some row may propose this step (a speculating row not in cooldown)."""
+    return any(r.spec is not None and r.spec.cooldown == 0 for r in rows)
 
 
 def propose_all(r) -> list[list[int]]:
@@ -204,7 +205,7 @@ def propose_all(r) -> list[list[int]]:
     ks = []
     for row in r.rows:
         st = row.spec
-        if st is None or row.sampler.constraint is not None or st.cooldown > 0:
+        if st is None or st.cooldown > 0:
             ks.append(0)
             continue
         ks.append(max(0, min(st.k, row.req.max_tokens - row.steps - 1)))  # a verify step emits up to k + 1
@@ -272,8 +273,8 @@ def verify_step(r, props: list[list[int]]) -> list:
                 else:
                     t, ok = int(row.sampler.sample(lp).item()), False
                 toks.append(t)
-                out.append(r._emit(row, t, lp if want_lp else None))
-                if not ok:
+                out.append(r._emit(row, t, lp if want_lp else None))  # a grammar row's matcher advances here
+                if not ok or out[-1].grammar_done:
                     break
             a = len(toks) - 1
         if row.context is not None:

@@ -104,3 +104,37 @@ def test_constrained_rows_with_quantized_kv(llama):
         if i % 2 == 0:
             text = tok.decode([o.token for o in recs if o.token is not None and o.token not in tok.eos_token_ids])
             jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_constrained_rows_speculate_and_keep_their_grammar(llama):
+    """--spec lookup on grammar rows: each position's mask follows the tokens before it, so greedy rows
+    give plain decoding's text and seeded rows still match their grammar."""
+    from mlxb.engine.spec import SpecConfig
+
+    model, tok, g = llama
+    gs = g.validate(g.from_schema(SCHEMA, "s"), "s")
+    gr = g.validate(g.from_regex(REGEX, "r"), "r")
+    spec = SpecConfig("lookup", 4, 3, max_batch=8)
+    prompts = [list(range(20, 60)), [7, 8, 9] * 12, list(range(30, 50)) * 2]
+    specs = [(prompts[0], gs, 0.0, None), (prompts[1], gr, 0.0, None), (prompts[2], gs, 0.9, 5), (prompts[1], None, 0.0, None)]
+    plain = run(model, tok, g, specs, batch=4)
+    eng = Engine(model, tok, max_batch=4, spec=spec)
+    streams, reqs = [], []
+    for i, (prompt, grammar, temp, seed) in enumerate(specs):
+        r = Request(f"s{i}", prompt, 40, SamplingParams(temperature=temp, seed=seed))
+        r.constraint = g.constraint(grammar, "test") if grammar else None
+        streams.append(OutputStream(r.request_id))
+        reqs.append(r)
+        eng.accept(r, streams[-1])
+    while eng._live:
+        eng.iterate()
+    out = []
+    for st in streams:
+        recs = list(st)
+        out.append((tok.decode([o.token for o in recs if o.token is not None and o.token not in tok.eos_token_ids]),
+                    recs[-1].finish_reason))
+    assert out[0] == plain[0] and out[1] == plain[1] and out[3] == plain[3]
+    jsonschema.validate(json.loads(out[2][0]), SCHEMA)
+    assert re.fullmatch(REGEX, out[1][0])
+    assert eng.spec_stats()["verify_steps"] > 0
+    assert any(r.spec_drafted for r in reqs[:3])  # constrained rows drafted too
