@@ -24,15 +24,18 @@ def llama(tiny_models):
     return model, tok, Grammars(tok, model.args.vocab_size, sorted(tok.eos_token_ids))
 
 
-def run(model, tok, grammars, specs, batch, faults=frozenset()):
-    """specs: (prompt, grammar or None, temperature, seed); returns (text, finish reason) per request."""
-    eng = Engine(model, tok, max_batch=batch, faults=faults)
+def run(model, tok, grammars, specs, batch, faults=frozenset(), eng=None, reqs=None):
+    """specs: (prompt, grammar or None, temperature, seed); returns (text, finish reason) per request.
+    ``eng``: an engine to use instead of a plain one; ``reqs``: a list that receives the requests."""
+    eng = eng or Engine(model, tok, max_batch=batch, faults=faults)
     streams = []
     for i, (prompt, grammar, temp, seed) in enumerate(specs):
         r = Request(f"g{i}", prompt, 40, SamplingParams(temperature=temp, seed=seed))
         r.constraint = grammars.constraint(grammar, "test") if grammar else None
         r.mechanism = "continuous" if batch > 1 else "serial"
         streams.append(OutputStream(r.request_id))
+        if reqs is not None:
+            reqs.append(r)
         eng.accept(r, streams[-1])
     while eng._live or eng._serial:
         eng.iterate()
@@ -118,21 +121,8 @@ def test_constrained_rows_speculate_and_keep_their_grammar(llama):
     prompts = [list(range(20, 60)), [7, 8, 9] * 12, list(range(30, 50)) * 2]
     specs = [(prompts[0], gs, 0.0, None), (prompts[1], gr, 0.0, None), (prompts[2], gs, 0.9, 5), (prompts[1], None, 0.0, None)]
     plain = run(model, tok, g, specs, batch=4)
-    eng = Engine(model, tok, max_batch=4, spec=spec)
-    streams, reqs = [], []
-    for i, (prompt, grammar, temp, seed) in enumerate(specs):
-        r = Request(f"s{i}", prompt, 40, SamplingParams(temperature=temp, seed=seed))
-        r.constraint = g.constraint(grammar, "test") if grammar else None
-        streams.append(OutputStream(r.request_id))
-        reqs.append(r)
-        eng.accept(r, streams[-1])
-    while eng._live:
-        eng.iterate()
-    out = []
-    for st in streams:
-        recs = list(st)
-        out.append((tok.decode([o.token for o in recs if o.token is not None and o.token not in tok.eos_token_ids]),
-                    recs[-1].finish_reason))
+    eng, reqs = Engine(model, tok, max_batch=4, spec=spec), []
+    out = run(model, tok, g, specs, batch=4, eng=eng, reqs=reqs)
     assert out[0] == plain[0] and out[1] == plain[1] and out[3] == plain[3]
     jsonschema.validate(json.loads(out[2][0]), SCHEMA)
     assert re.fullmatch(REGEX, out[1][0])
