@@ -49,3 +49,15 @@ def test_parity_bad_input_names_the_fix():
     assert r.exit_code == 2 and "unknown case" in r.output and "static" in r.output
     r = runner.invoke(app, ["parity", "--against", "psychic", "--b", "1", "-c", "static"])
     assert r.exit_code == 2 and "live, golden or both" in r.output
+
+
+def test_bench_spec_writes_labelled_ratios_and_rejects_bad_batches(tmp_path):
+    out = tmp_path / "spec.json"
+    r = runner.invoke(app, ["bench", "spec", "-m", "tiny-llama", "--batches", "1", "--regimes", "random", "--context", "32",
+                            "--gen", "8", "--repeats", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["labels"]["model"] == "tiny-llama" and res["config"]["method"] == "lookup"
+    assert [(s["regime"], s["B"]) for s in res["summary"]] == [("random", 1)] and res["summary"][0]["plain_tps"] > 0
+    bad = runner.invoke(app, ["bench", "spec", "--batches", "x"])
+    assert bad.exit_code != 0 and "comma-separated" in bad.output

@@ -1,0 +1,121 @@
+"""`mlxb bench spec` and `mlxb bench kv`: our engine against itself in one process (speculation against
+plain decoding; quantized KV against full width), results as labelled JSON under reports/results/."""
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
+from mlxb.commands.bench import app
+
+
+def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
+    """Label the result (machine, versions, model, date) and write it."""
+    from mlxb.doctor import report
+
+    res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
+                     "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out = out or Path("reports/results") / f"{kind}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, default=str))
+    console.print(f"wrote {out}")
+
+
+@app.command("spec")
+@cli_errors
+def spec_bench(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    spec: str = typer.Option("lookup", "--spec", help="Proposer: lookup (prompt lookup) or draft (--draft-model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for --spec draft (the target's own name gives the self-draft ceiling)."),
+    num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32),
+    lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16),
+    spec_max_batch: int = typer.Option(64, "--spec-max-batch", min=1, help="Speculate up to this many rows (the bench default measures every B)."),
+    batches: str = typer.Option("1,8", "--batches"),
+    regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random."),
+    context: int = typer.Option(512, "--context", min=8, help="Prompt tokens per row."),
+    gen: int = typer.Option(64, "--gen", min=2),
+    repeats: int = typer.Option(2, "--repeats", min=1),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """Speculative decoding vs plain decoding on our engine: decode tok/s ratios with the acceptance."""
+    from mlxb.bench.spec import run
+    from mlxb.engine.build import build_spec
+    from mlxb.errors import ValidationError
+    from mlxb.models import load_model
+
+    try:
+        bs = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise ValidationError("--batches takes comma-separated integers, e.g. 1,8") from None
+    m, tok, mspec, path = load_model(model, dtype)
+    cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
+                     draft_model, dtype, spec_max_batch)
+    with console.status("benchmarking ...") as status:
+        res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
+                  repeats=repeats, progress=lambda s: status.update(f"benchmarking: {s}"))
+    what = f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup"
+    t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
+    for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance"):
+        t.add_column(c)
+    for r in res["summary"]:
+        acc = "no drafts" if r["acceptance"] is None else f"{r['acceptance']:.0%} of {r['drafted']}"
+        t.add_row(r["regime"], str(r["B"]), f"{r['plain_tps']:.1f}", f"{r['spec_tps']:.1f}", f"{r['ratio_min']:.3f}",
+                  f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}", acc)
+    console.print(t)
+    _write(res, "spec", mspec, out)
+
+
+@app.command("kv")
+@cli_errors
+def kv(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    kv_bits: str = typer.Option("8,4", "--kv-bits", help="Comma-separated schemes to compare with full width."),
+    kv_group_size: int = typer.Option(64, "--kv-group-size"),
+    batches: str = typer.Option("8,32", "--batches"),
+    context: int = typer.Option(1024, "--context", min=1, help="Prompt tokens per row in the decode arm."),
+    gen: int = typer.Option(64, "--gen", min=2),
+    repeats: int = typer.Option(2, "--repeats", min=1),
+    admit_context: int = typer.Option(4096, "--admit-context", min=1, help="Context of the admission count."),
+    prefill_chunk: int = typer.Option(2048, "--prefill-chunk", min=16),
+    quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", min=0),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """Quantized KV vs full width on our engine: rows admitted under one --kv-budget, decode tok/s (ratios)."""
+    from mlxb.bench.kv import run
+    from mlxb.errors import ValidationError
+    from mlxb.models import load_model
+
+    try:
+        bits = tuple(int(b) for b in kv_bits.split(","))
+        bs = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise ValidationError("--kv-bits and --batches take comma-separated integers, e.g. 8,4") from None
+    m, tok, spec, path = load_model(model, dtype)
+    with console.status("benchmarking ...") as status:
+        try:
+            res = run(m, tok, bits=bits, group_size=kv_group_size, batches=bs, context=context, gen=gen,
+                      repeats=repeats, admit_context=admit_context, prefill_chunk=prefill_chunk,
+                      kv_start=quantized_kv_start,
+                      progress=lambda s: status.update(f"benchmarking: {s}"))
+        except ValueError as e:
+            raise ValidationError(str(e), param="kv_group_size") from None
+    t = Table(title=f"rows admitted under one --kv-budget at {admit_context} tokens — {spec.name}")
+    for c in ("scheme", "bytes per row", "rows", "vs full width"):
+        t.add_column(c)
+    for r in res["admission"]:
+        t.add_row(r["scheme"], f"{r['row_bytes']:,}", str(r["rows_admitted"]), f"{r['ratio_vs_full']:.2f}x")
+    console.print(t)
+    t = Table(title=f"decode tok/s at {context}-token rows (ratio = quantized / full width, same run)")
+    for c in ("B", "scheme", "full tok/s", "quantized tok/s", "ratio min", "ratio median", "ratio max"):
+        t.add_column(c)
+    for r in res["summary"]:
+        t.add_row(str(r["B"]), r["scheme"], f"{r['full_tps']:.1f}", f"{r['quant_tps']:.1f}", f"{r['ratio_min']:.3f}",
+                  f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
+    console.print(t)
+    _write(res, "kv", spec, out)
