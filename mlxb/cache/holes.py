@@ -17,6 +17,8 @@ small copies per layer). Instead the rejected entries stay where they are and be
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 import numpy as np
 
@@ -27,13 +29,20 @@ def _arrays(c) -> list:
     return list(c.keys) + list(c.values) if isinstance(c.keys, tuple) else [c.keys, c.values]
 
 
-def mark_holes(c, shifts: list[int]) -> None:
+def new_holes(shifts: list[int]) -> tuple[mx.array, mx.array]:
+    """The [B, max(shifts)] hole columns and the offset decrement for ``shifts`` (built once per step,
+    shared by every layer)."""
+    S = max(shifts)
+    return mx.array(np.arange(S)[None, :] >= (S - np.asarray(shifts))[:, None]), mx.array(shifts)
+
+
+def mark_holes(c, shifts: list[int], made: Optional[tuple] = None) -> None:
     """Row i's last ``shifts[i]`` written entries become holes; its offset goes back by as many."""
     S = max(shifts)
     if S == 0 or c.keys is None:
         return
     width = c._idx
-    new = mx.array(np.arange(S)[None, :] >= (S - np.asarray(shifts))[:, None])
+    new, dec = made or new_holes(shifts)
     old = c.holes
     if old is None:
         old = mx.zeros((len(shifts), width - S), dtype=mx.bool_)
@@ -46,7 +55,7 @@ def mark_holes(c, shifts: list[int]) -> None:
     else:
         old = mx.concatenate([old, mx.zeros((len(shifts), width - S - old.shape[1]), dtype=mx.bool_)], axis=1)
     c.holes = mx.concatenate([old, new], axis=1)
-    c.offset = c.offset - mx.array(shifts)
+    c.offset = c.offset - dec
     counts = getattr(c, "hole_counts", None) or [0] * len(shifts)
     c.hole_counts = [h + s for h, s in zip(counts, shifts)]
 
@@ -60,18 +69,26 @@ def unholed(c, mask: mx.array) -> mx.array:
     return mask & ~h[:, None, None, :T]
 
 
-def compact(c) -> None:
-    """Move every row's holes to its left padding (one gather per array); no holes afterwards."""
-    if getattr(c, "holes", None) is None:
-        return
+def compaction(c) -> tuple[mx.array, mx.array]:
+    """(gather index [B, 1, T, 1]: each row's holes first, then its columns in order; holes per row),
+    read from ``c``'s holes (one host read). Layers that took the same steps share it."""
     T = c._idx
     h = np.array(c.holes[:, :T])
     if h.shape[1] < T:
         h = np.concatenate([h, np.zeros((h.shape[0], T - h.shape[1]), dtype=bool)], axis=1)
     cols = np.arange(T)
     order = np.stack([np.concatenate([cols[r], cols[~r]]) for r in h]).astype(np.int32)
-    ix = mx.array(order)[:, None, :, None]
+    return mx.array(order)[:, None, :, None], mx.array(h.sum(axis=1).astype(np.int32))
+
+
+def compact(c, plan: Optional[tuple] = None) -> None:
+    """Move every row's holes to its left padding (one gather per array); no holes afterwards.
+    ``plan``: a ``compaction`` already read from a layer with the same holes."""
+    if getattr(c, "holes", None) is None:
+        return
+    ix, counts = plan or compaction(c)
+    T = ix.shape[2]
     for a in _arrays(c):
         a[..., :T, :] = mx.take_along_axis(a[..., :T, :], ix, axis=2)
-    c.left_padding = c.left_padding + mx.array(h.sum(axis=1).astype(np.int32))
+    c.left_padding = c.left_padding + counts
     c.holes, c.hole_counts = None, None

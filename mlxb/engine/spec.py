@@ -34,7 +34,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlxb.cache.holes import compact, mark_holes
+from mlxb.cache.holes import compact, compaction, mark_holes, new_holes
 
 METHODS = ("lookup", "draft")
 MISS_LIMIT, COOLDOWN, MAX_COOLDOWN = 4, 16, 128  # lookups that find nothing; steps without proposals
@@ -141,11 +141,13 @@ def rollback(caches: list, kinds: list, shifts: list[int], merged: bool) -> None
         for c in caches:
             c.trim(shifts[0])
         return
+    made, plan = new_holes(shifts), None  # every layer took the same steps: one mask, one gather order
     for c, k in zip(caches, kinds):
         assert k in ("full", "latent"), k
-        mark_holes(c, shifts)
+        mark_holes(c, shifts, made)
         if c.hole_counts and max(c.hole_counts) > max(HOLE_MIN, c._idx // HOLE_FRACTION):
-            compact(c)
+            plan = plan or compaction(c)
+            compact(c, plan)
 
 
 def setup(spec: Optional[SpecConfig], kinds: list) -> tuple:
