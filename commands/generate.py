@@ -43,8 +43,18 @@ def generate(
     else:
         raise ValidationError("give --prompt TEXT or --prompts-file FILE")
     gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False)  # one-shot
+    import signal
+
+    def on_term(*_):
+        raise _Stopped(143)
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         results = _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput)
+    except (KeyboardInterrupt, _Stopped) as e:  # the engine stops after its step; the exit is clean
+        gw.engine.shutdown()
+        console.print("[yellow]interrupted[/]")
+        raise typer.Exit(e.code if isinstance(e, _Stopped) else 130) from None
     finally:
         gw.engine.shutdown()
     if json_out:
@@ -55,6 +65,12 @@ def generate(
         console.print()
         console.print(f"[dim]{len(r['token_ids'])} tokens, finish={r['finish_reason']}, "
                       f"ttft {r['timings']['ttft_s']}s, {r['timings']['decode_tps']} tok/s ({gw.model_name}, {r['mechanism']})[/]")
+
+
+class _Stopped(Exception):
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 def _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput):

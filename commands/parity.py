@@ -81,36 +81,52 @@ def parity(
     from mlxb.doctor import machine_key
     from mlxb.engine.runner import FAULTS
     from mlxb.errors import ValidationError
-    from mlxb.parity.run import build_cases, parity as run_parity
+    from mlxb.parity.run import build_cases, parity as run_parity, skipped
 
     if plant_fault and plant_fault not in FAULTS:
         raise ValidationError(f"--plant-fault {plant_fault!r}: one of {', '.join(FAULTS)}")
     faults = frozenset([plant_fault]) if plant_fault else frozenset()
     root, machine, bs = _root(goldens), machine_key(), _bs(b)
-    results = []
+    results, notes, skips = [], [], {}
     with progress(transient=True) as prog:
         for t in _targets(models, dtype, all_):
             cs = build_cases(t, bs, cases)
+            skips[t.label] = skipped(t, cases)
+            if against != "live" and not (root / machine / t.label).is_dir():
+                notes.append(f"no goldens for machine key {machine} and {t.label} under {root}: against the shared "
+                             "layer only tokens and cache geometry can be compared (counted as 'tokens only', never "
+                             f"'exact'); write this machine's with `mlxb golden-gen --model {t.shown or t.model}"
+                             f"{' --dtype ' + t.dtype if t.label != t.model else ''}`"
+                             " or run --against live")
             if cs:
                 results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label))
     ok = all(r.ok for r in results) and bool(results)
     if json_out:
-        print(json.dumps({"ok": ok, "machine_key": machine, "results": [r.to_dict() for r in results]}))
+        print(json.dumps({"ok": ok, "machine_key": machine, "warnings": notes, "skipped": skips,
+                          "results": [r.to_dict() for r in results]}))
     else:
         _render(results, machine, root)
+        for lbl, sk in skips.items():
+            if sk:
+                console.print(f"{lbl}: skipped " + "; ".join(f"{n} ({why})" for n, why in sk.items()))
+        for n in notes:
+            console.print(f"[yellow]warning: {n}[/]")
+        if not results:
+            console.print("[red]no parity case applies to the selection[/]")
     raise typer.Exit(0 if ok else 1)
 
 
 def _render(results, machine: str, root: Path) -> None:
     per_row = sum(len(r.rows) for r in results) <= 120
     t = Table(title=f"mlxb parity on {machine} (goldens: {root})")
-    for c in ("model", "case", "vs", "row" if per_row else "rows", "steps", "exact", "envelope", "diverged", "result"):
+    for c in ("model", "case", "vs", "row" if per_row else "rows", "steps", "exact", "envelope", "tokens only",
+              "diverged", "result"):
         t.add_column(c, no_wrap=c in ("model", "case"))
     fails = []
     for r in results:
         if r.error or r.schedule_mismatch:
-            msg = r.error or f"schedule differs from the plan at iteration {r.schedule_mismatch['iteration']}"
-            t.add_row(*r.label.split(), r.against.split(":")[0], "-", "-", "-", "-", "-", f"[red]{msg}[/]")
+            msg = "no golden" if r.error and r.error.startswith("no golden") else ("error" if r.error else "schedule")
+            t.add_row(*r.label.split(), r.against.split(":")[0], "-", "-", "-", "-", "-", "-", f"[red]{msg}[/]")
             fails.append(r)
         units = r.rows if per_row else [None]
         for row in units:
@@ -118,20 +134,25 @@ def _render(results, machine: str, root: Path) -> None:
             steps = sum(x.steps for x in rows)
             exact = sum(x.exact for x in rows)
             env = sum(x.envelope for x in rows)
+            tok = sum(x.tokens_only for x in rows)
             div = sum(1 for x in rows if not x.ok)
             good = all(x.ok for x in rows)
             t.add_row(*r.label.split(), r.against.split(":")[0], str(row.row) if row is not None else str(len(rows)), str(steps),
-                      str(exact), str(env), str(div), "[green]pass[/]" if good else "[red]FAIL[/]")
+                      str(exact), str(env), f"[yellow]{tok}[/]" if tok else "0", str(div),
+                      "[green]pass[/]" if good else "[red]FAIL[/]")
         if not all(x.ok for x in r.rows) and r not in fails:
             fails.append(r)
     console.print(t)
     envs = {r.label.split()[0]: r.envelope for r in results if r.envelope}
     for lbl, env in envs.items():
         console.print(f"envelope {lbl}: max |dlogprob| {env['max_abs_logprob']}, KL(top-5) {env['kl_top5']}")
-    tot = {k: sum(r.counts()[k] for r in results) for k in ("steps", "exact", "envelope")}
+    tot = {k: sum(r.counts()[k] for r in results) for k in ("steps", "exact", "envelope", "tokens_only")}
     console.print(f"{len(results)} comparisons, {tot['steps']} row-steps: {tot['exact']} exact, "
-                  f"{tot['envelope']} within envelope, {len(fails)} case(s) failed")
+                  f"{tot['envelope']} within envelope, {tot['tokens_only']} tokens only (no logit hash to compare), "
+                  f"{len(fails)} case(s) failed")
     for r in fails[:10]:
+        if r.error:
+            console.print(f"[red]{r.label} ({r.against}): {r.error}[/]")
         for row in r.rows:
             d = row.first_divergence
             if d:

@@ -89,7 +89,7 @@ def serve(
                       + "; ".join(f"{k} {v}" for k, v in pc.stats()["reuse"].items()))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level == "debug")
-    server = uvicorn.Server(config)
+    server = _server(config, gw.engine)
     # NOTE: uvicorn drains on SIGINT/SIGTERM and then re-raises the signal through the handler that
     # was installed before it started; a recording handler here turns that into a clean exit 0.
     import signal
@@ -101,6 +101,22 @@ def serve(
     finally:
         gw.engine.shutdown()
     console.print("[dim]mlxb serve stopped[/]")
+
+
+def _server(config, engine):
+    """uvicorn's server, but on SIGINT/SIGTERM the engine stops after its current step and answers every
+    open request with a 503 (``shutting down``), so streams end within uvicorn's graceful window instead
+    of being cut."""
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            threading.Thread(target=engine.stop, name="mlxb-stop", daemon=True).start()
+
+    return Server(config)
 
 
 def parse_bytes(s: str, flag: str = "--kv-budget") -> int:

@@ -101,7 +101,10 @@ def device_info() -> dict:
 
 
 def machine_key() -> str:
-    """Key under which this machine's goldens live, e.g. ``cpu-x86_64-intel-xeon-netlib``."""
+    """Key under which this machine's goldens live, e.g. ``cpu-x86_64-intel-xeon-netlib``
+    (``MLXB_MACHINE_KEY`` overrides it: a lab's own name for a machine, or a key with no goldens)."""
+    if os.environ.get("MLXB_MACHINE_KEY"):
+        return os.environ["MLXB_MACHINE_KEY"]
     import mlx.core  # noqa: F401  (maps the BLAS into the process so loaded_blas can name it)
 
     dev = device_info()

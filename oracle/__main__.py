@@ -1,4 +1,7 @@
-"""``python -m mlxb.oracle CASES.jsonl OUT.json``: run parity cases with mlx-lm in this process.
+"""``python -m mlxb.oracle CASES.jsonl OUT.json [LOADS.json]``: run parity cases with mlx-lm in this process.
+
+``LOADS.json`` maps a case's model id to the ``[source, dtype]`` to load (a folder is named by its
+content in the cases, so the path to it comes from here).
 
 The parity command starts this in its own process, so nothing the engine under test did (its
 stream, its caches, its compiled graphs) can leak into the reference.
@@ -15,7 +18,8 @@ from mlxb.parity.protocol import Case
 
 
 def main(argv: list[str]) -> int:
-    src, dst = argv
+    src, dst = argv[:2]
+    loads = json.load(open(argv[2])) if len(argv) > 2 else {}
     cases = [Case.from_dict(json.loads(line)) for line in open(src) if line.strip()]
     models: dict = {}
     out = []
@@ -23,7 +27,7 @@ def main(argv: list[str]) -> int:
         mkey = (case.model, case.dtype)
         if mkey not in models:
             models.clear()  # one model resident at a time
-            models[mkey] = load_model(case.model, case.dtype)[:2]
+            models[mkey] = load_model(*loads.get(case.model, (case.model, case.dtype)))[:2]
         res = run_case(*models[mkey][:1], case, tokenizer=models[mkey][1])
         out.append({"digest": case.digest(), **res})
         print(f"oracle {i + 1}/{len(cases)}", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
-from mlxb.engine.serial import run_serial
+from mlxb.engine.serial import SHUTTING_DOWN, run_serial
 from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.engine.trace import IterationTrace
 from mlxb.errors import EngineFailure, EngineUnavailableError
@@ -124,6 +124,10 @@ class Engine:
         return self
 
     @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
@@ -140,10 +144,16 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the engine thread after its current step; every request still in it ends with a 503
+        error (the server is shutting down), so open streams close instead of hanging."""
         self._stop.set()
         self._inbox.put(("wake", None, None))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        self.stop(timeout)
         mx.synchronize()
         if self.prompt_cache is not None:  # durable flush: RAM entries go to the SSD tier
             self.prompt_cache.close()
@@ -230,6 +240,11 @@ class Engine:
                 was_busy = busy
                 self._drain_inbox(block=not busy)
                 self.iterate()
+            self._drain_inbox(block=False)  # requests handed in while stopping are answered too
+            for live in list(self._live.values()):
+                self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=SHUTTING_DOWN)
+            self._live.clear()
+            self.delivery.flush()
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
             self.fatal = e
             for live in list(self._live.values()):

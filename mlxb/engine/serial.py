@@ -11,8 +11,11 @@ import mlx.core as mx
 
 from mlxb.engine.runner import Row
 from mlxb.engine.sampler import RowSampler
-from mlxb.errors import EngineFailure
+from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
+
+
+SHUTTING_DOWN = EngineUnavailableError("the server is shutting down; retry against a running server")
 
 
 def run_serial(engine, live) -> None:
@@ -48,6 +51,9 @@ def run_serial(engine, live) -> None:
                 if row.steps == 0:
                     req.timings.prefill_done = time.perf_counter()
                 engine._drain_inbox(block=False)
+                if engine.stopping:
+                    engine.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=SHUTTING_DOWN)
+                    break
                 if live.cancelled:
                     engine.delivery.finish(live, RequestStatus.FINISHED_ABORTED)
                     break

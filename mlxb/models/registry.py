@@ -69,13 +69,13 @@ def model_path(spec: ModelSpec) -> Path:
         ) from None
 
 
-def load_model(name: str | None = None, dtype: str | None = None):
-    """Return ``(model, tokenizer, spec, path)`` loaded through mlx-lm."""
+def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = False):
+    """Return ``(model, tokenizer, spec, path)`` loaded through mlx-lm (``lazy``: weights not read yet)."""
     from mlx_lm import load
 
     spec = resolve_model(name, dtype)
     path = model_path(spec)
-    model, tokenizer = load(str(path))
+    model, tokenizer = load(str(path), lazy=lazy)
     if spec.dtype and spec.kind != "preset":
         import mlx.core as mx
 

@@ -8,18 +8,37 @@ import hashlib
 import numpy as np
 
 from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, PREFIX_TRIMMABLE, QUANT_GROUP, Case, RowSpec,
-                                  applies, plan)
+                                  plan)
 
 
-def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return rng.integers(3, vocab, size=n).tolist()
+class Pool:
+    """Prompt ids a case may use: ``[3, vocab)`` for the presets (their goldens were made so), or the
+    ordinary (non-special) ids a model's own tokenizer knows, below its embedding's width."""
+
+    def __init__(self, vocab: int, ids=None):
+        self.vocab, self.ids = vocab, None if ids is None else np.asarray(ids, dtype=np.int64)
+
+    def draw(self, rng: np.random.Generator, n: int) -> list[int]:
+        if self.ids is None:
+            return rng.integers(3, self.vocab, size=n).tolist()
+        return self.ids[rng.integers(0, self.ids.size, size=n)].tolist()
+
+    def distinct(self, rng: np.random.Generator, n: int) -> list[int]:
+        return rng.choice(np.arange(3, self.vocab) if self.ids is None else self.ids, size=n, replace=False).tolist()
+
+
+def _prompt(rng: np.random.Generator, n: int, vocab) -> list[int]:
+    return (vocab if isinstance(vocab, Pool) else Pool(vocab)).draw(rng, n)
 
 
 def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: int = 8192,
-              window: int = 64) -> Case:
-    """Build one case; ``seed`` and the names fix every prompt id."""
+              window: int = 64, ids=None, trimmable: bool | None = None) -> Case:
+    """Build one case; ``seed`` and the names fix every prompt id. ``ids``: the prompt id pool (default
+    ``[3, vocab)``); ``trimmable``: the prefix case's reuse rule (default: the preset's)."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; cases: {', '.join(CASES)}")
+    if ids is not None:
+        vocab = Pool(vocab, ids)
     h = int(hashlib.sha256(f"{model}|{case}|{b}|{seed}".encode()).hexdigest()[:8], 16)
     rng = np.random.default_rng(h)
     rows: list[RowSpec] = []
@@ -54,26 +73,29 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         chunk = 16
         rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 8 + 2 * ((i + 1) % 3), 3 * i) for i in range(b)]
     elif case == "prefix":
-        return _prefix_case(model, dtype, b, seed, rng, vocab)
+        if trimmable is None:
+            trimmable = PREFIX_TRIMMABLE[model.split("@")[0]]
+        return _prefix_case(model, dtype, b, seed, rng, vocab, trimmable)
     elif case == "grammar":  # the join case's rows (unconstrained rows must match its records bit for bit)
-        j = make_case(model, dtype, "join", b, seed, vocab, window)
+        j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "grammar", b, seed, j.rows, j.prefill_chunk, j.join_full,
                     grammar={"regex": GRAMMAR_REGEX, "rows": [r for r in GRAMMAR_ROWS if r < b]})
     elif case == "quant":  # the join case's rows (staggered joins, retirements, filters) with quantized KV
-        j = make_case(model, dtype, "join", b, seed, vocab, window)
+        j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "quant", b, seed, j.rows, 16, j.join_full,
                     kv={"bits": 4 if b % 2 else 8, "group_size": QUANT_GROUP, "start": 0})
     return Case(model, dtype, case, b, seed, rows, chunk, join_full)
 
 
-def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> Case:
+def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab, trimmable: bool) -> Case:
     """Prompt-cache reuse: a multi-turn chain (turn 2 extends turn 1's prompt + output, turn 3 extends
     turn 2's after every snapshot went through the SSD tier and spans two chunks), then a burst of
     B rows sharing a 40-token prefix (one leader prefills it, the others start from its snapshot and
     prefill their suffixes as one cohort), then turn 1's prompt again, a new turn 2 and the last burst
     row's prompt again together (cached prefixes of different lengths: a left-padded cohort from
     B=2 on; the repeat hits the body snapshot its cohort took)."""
-    firsts = rng.choice(np.arange(3, vocab), size=2 + b, replace=False).tolist()  # distinct first tokens
+    vocab = vocab if isinstance(vocab, Pool) else Pool(vocab)
+    firsts = vocab.distinct(rng, 2 + b)  # distinct first tokens
 
     def fresh(first, n):
         return [first] + _prompt(rng, n - 1, vocab)
@@ -83,7 +105,7 @@ def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> 
     rows = [RowSpec(p0, 6, 0)]
     links: dict = {}
     c = Case(model, dtype, "prefix", b, seed, rows, 64, "extend",
-             prefix={"trimmable": PREFIX_TRIMMABLE[model.split("@")[0]], "links": links})
+             prefix={"trimmable": trimmable, "links": links})
 
     def after_all():  # the iteration after every row so far has finished
         return len(plan(c))
@@ -103,11 +125,3 @@ def _prefix_case(model: str, dtype: str, b: int, seed: int, rng, vocab: int) -> 
     plan(c)  # raises if any lookup were ambiguous
     return c
 
-
-def cases_for(model: str, dtype: str, bs, names=None, seed: int = 0, vocab: int = 8192, window: int = 64):
-    names = names or CASES
-    for name in names:
-        if not applies(name, model):
-            continue
-        for b in bs:
-            yield make_case(model, dtype, name, b, seed, vocab, window)

@@ -1,6 +1,8 @@
 """Compare one case's step records (ours vs a reference): exact, within an envelope, or diverged.
 
-Exact means the same token and the same sha256 of the float32 logprob vector. A per-model
+Exact means the same token and the same sha256 of the float32 logprob vector. A reference without
+the hash (the shared golden layer, on a machine key with no goldens of its own) can only agree on
+tokens and cache geometry: such a step counts as ``tokens_only``, never as exact. A per-model
 envelope (max |Δlogprob| over the reference's top-5 ids, KL over the renormalized top-5) is only
 consulted where the hash differs and the token agrees; the envelope comes from the golden and is
 never changed here.
@@ -19,6 +21,7 @@ class RowResult:
     steps: int = 0
     exact: int = 0
     envelope: int = 0
+    tokens_only: int = 0  # token and geometry agree; the reference holds no logit hash to compare
     missing: int = 0  # steps the reference has and we do not (or the reverse)
     first_divergence: Optional[dict] = None
 
@@ -44,10 +47,10 @@ class CaseResult:
         return {"case": self.label, "against": self.against, "ok": self.ok, **self.counts(),
                 "schedule_mismatch": self.schedule_mismatch, "error": self.error, "envelope_spec": self.envelope,
                 "rows": [{"row": r.row, "steps": r.steps, "exact": r.exact, "envelope": r.envelope,
-                          "missing": r.missing, "first_divergence": r.first_divergence} for r in self.rows]}
+                          "tokens_only": r.tokens_only, "missing": r.missing, "first_divergence": r.first_divergence} for r in self.rows]}
 
     def counts(self) -> dict:
-        return {k: sum(getattr(r, k) for r in self.rows) for k in ("steps", "exact", "envelope", "missing")}
+        return {k: sum(getattr(r, k) for r in self.rows) for k in ("steps", "exact", "envelope", "tokens_only", "missing")}
 
 
 def _top_delta(ours: list, ref: list) -> tuple[float, float]:
@@ -80,7 +83,9 @@ def compare(label: str, against: str, ours: dict, ref: dict, envelope: Optional[
             same_geo = a.get("g") == b.get("g")
             # a flat (machine-independent) golden holds tokens and geometry only
             same_hash = a["h"] == b["h"] if "h" in b else True
-            if a["t"] == b["t"] and same_hash and same_geo:
+            if a["t"] == b["t"] and same_hash and same_geo and "h" not in b:
+                rr.tokens_only += 1
+            elif a["t"] == b["t"] and same_hash and same_geo:
                 rr.exact += 1
             elif a["t"] == b["t"] and same_geo and "top" in b and within(envelope, a, b):
                 rr.envelope += 1

@@ -43,7 +43,6 @@ from typing import Optional
 import numpy as np
 
 CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant")
-GENERAL = ("static", "join", "leave", "extend", "merge", "burst", "grammar")
 # grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
 # where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
 # 180 characters, so every row still produces exactly max_tokens tokens and the plan is the join case's; the
@@ -53,8 +52,8 @@ GRAMMAR_ROWS = (0, 2)
 # prefix: every tiny preset; True where every layer is full attention / latent (reuse at any length)
 PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
                     "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
-SPECIAL = {"ring": ("tiny-gemma3", "tiny-gemma4"), "ssm": ("tiny-qwen3.5",), "latent": ("tiny-glm-mla",),
-           "prefix": tuple(PREFIX_TRIMMABLE), "quant": ("tiny-llama", "tiny-minicpm")}
+# ring, ssm and latent run where the model has such layers, quant where every layer is full attention
+# (``skip_reason``); the rest run on every batchable model.
 # quant (--kv-bits; presets whose every layer is full attention): the join case's rows with quantized KV,
 # KV4 at odd B and KV8 at even B, group 32, converted from the first chunk. mlx-lm has no batched
 # quantized cache, so the oracle keeps the batch's layout with three mlx-lm BatchKVCache lanes (packed
@@ -166,9 +165,21 @@ class Iteration:
     snaps: list = field(default_factory=list)  # [row, length]: snapshots taken, in execution order
 
 
-def applies(case: str, model: str) -> bool:
-    base = model.split("@")[0]
-    return case in GENERAL or base in SPECIAL.get(case, ())
+def skip_reason(case: str, kinds) -> Optional[str]:
+    """Why ``case`` does not apply to a model with these layer kinds (``mlxb.cache.protocol.layer_kinds``),
+    or None when it does. The case list adapts to the model instead of failing on it."""
+    kinds = set(kinds)
+    if None in kinds:
+        return "the model has a layer cache the batch cannot hold (it is served on the serial lane only)"
+    if case == "ring" and "rotating" not in kinds:
+        return "no sliding-window layers"
+    if case == "ssm" and "ssm" not in kinds:
+        return "no recurrent (SSM) layers"
+    if case == "latent" and "latent" not in kinds:
+        return "no latent (MLA) attention layers"
+    if case == "quant" and kinds != {"full"}:
+        return "the quant oracle covers models whose every layer is full attention"
+    return None
 
 
 class _Store:

@@ -20,53 +20,111 @@ from mlxb.errors import ValidationError
 from mlxb.parity import goldens
 from mlxb.parity.compare import CaseResult, compare
 from mlxb.parity.cases import make_case
-from mlxb.parity.protocol import CASES, Case, applies
+from mlxb.parity.protocol import CASES, Case, skip_reason
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 @dataclass
 class Target:
-    """One (model, dtype) with what case generation needs from its config."""
+    """One (model, dtype) with what case generation needs from it."""
 
-    model: str
+    model: str  # the cases' model id: a preset's name, or a folder's content label (never its path)
     dtype: str
-    label: str
+    label: str  # goldens folder name: ``model`` plus a dtype suffix when cast
     vocab: int
     window: int
+    kinds: tuple = ()  # layer kinds (``mlxb.cache.protocol.layer_kinds``): which cases apply
+    load: tuple = ()  # (source, dtype) for ``load_model``: a preset and its dtype, or a folder and its cast
+    ids: Optional[list] = None  # prompt id pool (folders: the tokenizer's ordinary ids); None: [3, vocab)
+    trimmable: Optional[bool] = None
+    shown: str = ""  # what the user typed
+
+
+def _config(path: Path) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    return {**cfg, **cfg.get("text_config", {})}
+
+
+def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list], int]:
+    """Layer kinds, window, ordinary token ids and embedding width of a model (weights stay lazy)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxb.cache.protocol import layer_kinds
+    from mlxb.models.registry import load_model
+
+    m, tok, _, _ = load_model(source, dtype, lazy=True)
+    kinds = tuple(layer_kinds(m))
+    sizes = [c.max_size for c in make_prompt_cache(m) if getattr(c, "max_size", None)]
+    hf = getattr(tok, "_tokenizer", tok)
+    width = int(m.model.embed_tokens.weight.shape[0]) if hasattr(getattr(m, "model", None), "embed_tokens") else len(hf)
+    special = set(getattr(hf, "all_special_ids", []) or [])
+    ids = [i for i in range(min(width, len(hf))) if i not in special]
+    return kinds, min(sizes) if sizes else 64, ids, width
 
 
 def target(model: str, dtype: Optional[str]) -> Target:
+    """Resolve ``--model`` (preset, alias, HF id or local mlx-lm folder, quantized or not) for parity.
+
+    A folder is named by its content (``<model_type>[-q<bits>]-<fingerprint>``), so its goldens follow it
+    when it is moved or downloaded again; ``--dtype`` casts a float folder and is refused for quantized
+    weights, whose packed values and scales parity runs as stored."""
+    from mlxb.models.fingerprint import folder_fingerprint, safetensors_float_dtype
     from mlxb.models.presets import PRESETS
     from mlxb.models.registry import model_path, resolve_model
 
-    spec = resolve_model(model, goldens.DTYPES.get(dtype, dtype) if dtype else None)
-    cfg = json.loads((model_path(spec) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    want = goldens.DTYPES.get(dtype, dtype) if dtype else None
+    if want is not None and want not in goldens.SHORT:
+        raise ValidationError(f"--dtype {dtype!r}: use float32, bfloat16 or float16 (or leave it out)")
+    spec = resolve_model(model, want)
+    path = model_path(spec)
+    cfg = _config(path)
     if spec.kind == "preset":
-        native = PRESETS[spec.source].dtype
-    else:
-        native = cfg.get("torch_dtype") or cfg.get("dtype") or spec.dtype or "native"
-    dt = spec.dtype or native
-    lbl = goldens.label(spec.name.replace("/", "--"), dt, native)
-    return Target(spec.name, dt, lbl, int(cfg.get("vocab_size", 8192)), int(cfg.get("sliding_window") or 64))
+        native, dt = PRESETS[spec.source].dtype, spec.dtype or PRESETS[spec.source].dtype
+        kinds, window, _, _ = _probe(spec.source, dt)
+        return Target(spec.name, dt, goldens.label(spec.name, dt, native), int(cfg.get("vocab_size", 8192)),
+                      int(cfg.get("sliding_window") or window), kinds, (spec.source, dt), shown=model)
+    q = cfg.get("quantization") or cfg.get("quantization_config")
+    native = safetensors_float_dtype(path) or cfg.get("torch_dtype") or cfg.get("dtype")
+    if native not in goldens.SHORT:
+        raise ValidationError(f"{model}: cannot tell the floating dtype of its weights ({native!r}); "
+                              "pass --dtype float32, bfloat16 or float16")
+    if want is not None and q:
+        raise ValidationError(f"--dtype does not apply to {model}: its weights are {q.get('bits', '?')}-bit quantized "
+                              f"(scales in {native}) and parity runs them as stored; leave --dtype out")
+    cast = want if want not in (None, native) else None
+    kinds, window, ids, width = _probe(str(path), cast)
+    base = f"{cfg.get('model_type', 'model')}{'-q%s' % q.get('bits') if q else ''}-{folder_fingerprint(path)[:12]}"
+    dt = cast or native
+    trim = all(k in ("full", "latent") for k in kinds)
+    return Target(base, dt, goldens.label(base, dt, native), width, window, kinds, (str(path), cast), ids, trim,
+                  shown=model)
+
+
+def skipped(t: Target, names: Optional[list[str]] = None) -> dict[str, str]:
+    """The cases that do not apply to ``t``'s model, with the reason."""
+    out = {n: skip_reason(n, t.kinds) for n in (names or CASES)}
+    return {n: why for n, why in out.items() if why}
 
 
 def build_cases(t: Target, bs: Iterable[int], names: Optional[list[str]] = None, seed: int = 0) -> list[Case]:
     bad = [n for n in names or [] if n not in CASES]
     if bad:
         raise ValidationError(f"unknown case(s) {', '.join(bad)}; cases are: {', '.join(CASES)}")
-    return [make_case(t.model, t.dtype, n, b, seed, t.vocab, t.window)
-            for n in (names or CASES) if applies(n, t.model) for b in bs]
+    skip = skipped(t, names)
+    return [make_case(t.model, t.dtype, n, b, seed, t.vocab, t.window, t.ids, t.trimmable)
+            for n in (names or CASES) if n not in skip for b in bs]
 
 
-def run_oracle(cases: list[Case], progress: Optional[Progress] = None) -> list[dict]:
-    """Run every case through mlx-lm in a child process; results in case order."""
+def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Optional[dict] = None) -> list[dict]:
+    """Run every case through mlx-lm in a child process; results in case order. ``loads`` maps a case's
+    model id to the ``(source, dtype)`` to load (default: the id and the case's dtype)."""
     with tempfile.TemporaryDirectory() as d:
-        src, dst = Path(d) / "cases.jsonl", Path(d) / "oracle.json"
+        src, dst, lds = Path(d) / "cases.jsonl", Path(d) / "oracle.json", Path(d) / "loads.json"
         src.write_text("".join(json.dumps(c.to_dict()) + "\n" for c in cases))
+        lds.write_text(json.dumps(loads or {}))
         env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
-        proc = subprocess.Popen([sys.executable, "-m", "mlxb.oracle", str(src), str(dst)], stderr=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "mlxb.oracle", str(src), str(dst), str(lds)], stderr=subprocess.PIPE,
                                 text=True, env=env)
         tail = []
         for line in proc.stderr:
@@ -83,7 +141,8 @@ def run_oracle(cases: list[Case], progress: Optional[Progress] = None) -> list[d
     return out
 
 
-def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optional[Progress] = None) -> list[dict]:
+def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optional[Progress] = None,
+             loads: Optional[dict] = None) -> list[dict]:
     from mlxb.models import load_model
     from mlxb.parity.driver import run_engine
 
@@ -92,7 +151,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
     for i, c in enumerate(cases):
         if (c.model, c.dtype) not in loaded:
             loaded.clear()
-            m, tok, _, _ = load_model(c.model, c.dtype)
+            m, tok, _, _ = load_model(*(loads or {}).get(c.model, (c.model, c.dtype)))
             loaded[(c.model, c.dtype)] = (m, tok)
         m, tok = loaded[(c.model, c.dtype)]
         out.append(run_engine(m, tok, c, faults))
@@ -113,8 +172,9 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
                 raise ValidationError(f"the stored case {t.label}/{c.key} differs from the generated one (the "
                                       "case generator changed); regenerate with `mlxb golden-gen --force`")
             gold[c.key] = g
-    ref = run_oracle(cases, progress) if against in ("live", "both") else None
-    ours = run_ours(cases, faults, progress)
+    loads = {t.model: t.load} if t.load else None
+    ref = run_oracle(cases, progress, loads) if against in ("live", "both") else None
+    ours = run_ours(cases, faults, progress, loads)
     results = []
     for i, c in enumerate(cases):
         label = f"{t.label} {c.key}"
@@ -128,7 +188,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
             if g is None or g["records"] is None:
                 r = CaseResult(label, "golden")
                 r.error = (f"no golden for {t.label}/{c.key} under {root} (machine key {machine}); "
-                           f"run `mlxb golden-gen --model {t.model} --b {c.b} --case {c.case}`")
+                           f"run `mlxb golden-gen --model {t.shown or t.model} --b {c.b} --case {c.case}`")
             else:
                 r = compare(label, f"golden:{g['level']}", ours[i]["records"], g["records"], g["envelope"])
                 r.envelope = g["envelope"]
@@ -148,7 +208,7 @@ def golden_gen(t: Target, cases: list[Case], root: Path, machine: str, force: bo
         exists = old is not None and old["level"] == "machine"
         plans.append((c, old if exists else None))
     todo = [c for c, old in plans if old is None or force]
-    ref = run_oracle(todo, progress) if todo else []
+    ref = run_oracle(todo, progress, {t.model: t.load} if t.load else None) if todo else []
     envelopes = goldens.load_envelopes(root)
     by_digest = {c.digest(): r for c, r in zip(todo, ref)}
     report = []
@@ -164,6 +224,6 @@ def golden_gen(t: Target, cases: list[Case], root: Path, machine: str, force: bo
     if todo:
         goldens.write_meta(root, machine, {
             "machine_key": machine, "versions": versions(), "device": device_info(),
-            "generated": {t.label: {"dtype": t.dtype, "date": time.strftime("%Y-%m-%d")}},
+            "generated": {t.label: {"dtype": t.dtype, "date": time.strftime("%Y-%m-%d"), "model": t.shown or t.model}},
         })
     return report

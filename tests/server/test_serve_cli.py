@@ -8,6 +8,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
 def free_port():
@@ -75,3 +76,61 @@ def test_mlxb_serve_with_quantized_kv_and_a_bad_group_size(tmp_path):
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+CRASH_MARKS = ("Traceback", "terminate called", "Aborted", "Segmentation fault", "core dumped")
+
+
+@pytest.mark.parametrize("sig,batch", [(signal.SIGINT, "4"), (signal.SIGTERM, "1")])
+def test_a_busy_server_stops_cleanly_and_answers_its_open_streams(sig, batch):
+    """SIGINT/SIGTERM while streams decode (batched and serial lanes): exit 0, nothing crashes at exit,
+    every open stream ends with the shutting-down error and [DONE] instead of being cut."""
+    import threading
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port), "--batch", batch],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    ends = []
+    try:
+        url = wait_healthy(proc, port)
+
+        def stream():
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "ignore_eos": True,
+                    "stream": True}
+            lines = []
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                lines = [x for x in r.iter_lines() if x]
+            ends.append(lines[-3:])  # the error event, the final chunk, [DONE]
+
+        clients = [threading.Thread(target=stream) for _ in range(3)]
+        for c in clients:
+            c.start()
+        t0 = time.monotonic()
+        while httpx.get(url + "/stats").json()["engine"]["steps"] < 20:  # decoding is under way
+            assert time.monotonic() - t0 < 60
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        for c in clients:
+            c.join(30)
+        err = proc.stderr.read()
+        assert not any(m in err for m in CRASH_MARKS), err[-3000:]
+        assert len(ends) == 3
+        for last in ends:
+            assert last[-1] == "data: [DONE]" and "shutting down" in "".join(last), last
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code):
+    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "generate", "-p", "hi", "-k", "8", "--batch",
+                             "8", "-n", "4000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
+    time.sleep(6)  # model loaded, rows decoding (8 rows of 4000 tokens take far longer)
+    assert proc.poll() is None
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) == code
+    err = proc.stderr.read() + proc.stdout.read()
+    assert "interrupted" in err and not any(m in err for m in CRASH_MARKS), err[-3000:]

@@ -1,0 +1,86 @@
+"""Parity on any mlx-lm folder: a folder written by ``mlxb models build`` and a 4-bit ``mlx_lm convert -q``
+of it, live against the oracle; folder goldens keyed by content (they survive a rename); honest labels on
+a machine key without goldens; ``--dtype`` refused where it does not apply."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.parity
+
+
+def mlxb(*args, env=None):
+    cmd = [sys.executable, "-m", "mlxb.commands.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, COLUMNS="200", **(env or {})))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    base = tmp_path_factory.mktemp("folders")
+    plain, q4 = base / "llama", base / "llama-4bit"
+    r = mlxb("models", "build", "tiny-llama", "--out", str(plain))
+    assert r.returncode == 0, r.stderr
+    from mlx_lm import convert
+
+    convert(str(plain), mlx_path=str(q4), quantize=True, q_bits=4, q_group_size=64)
+    assert json.loads((q4 / "config.json").read_text())["quantization"]["bits"] == 4
+    return plain, q4
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_folder_and_its_4bit_copy_match_the_live_oracle_at_b1_to_4(folders, which):
+    folder = folders[which]
+    r = mlxb("parity", "-m", str(folder), "--b", "1,2,3,4", "-c", "join", "-c", "leave", "-c", "extend",
+             "-c", "ring", "--against", "live", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    res = out["results"]
+    assert len(res) == 12 and all(x["ok"] for x in res)
+    assert all(x["exact"] == x["steps"] > 0 and x["tokens_only"] == 0 for x in res)  # full-logit hashes compared
+    label = res[0]["case"].split()[0]
+    assert label.startswith("llama-q4-" if which else "llama-") and str(folder) not in label  # content, not path
+    assert out["skipped"][label] == {"ring": "no sliding-window layers"}  # the case list adapts to the model
+
+
+def test_the_gate_fails_on_a_planted_bug_for_a_folder(folders):
+    r = mlxb("parity", "-m", str(folders[1]), "--b", "3", "-c", "join", "--against", "live",
+             "--plant-fault", "scalar_rope")
+    assert r.returncode == 1 and "first divergence" in r.stdout, r.stdout[-2000:]
+
+
+def test_folder_goldens_survive_a_rename_and_a_key_without_goldens_says_tokens_only(folders, tmp_path):
+    import shutil
+
+    g = tmp_path / "goldens"
+    moved = tmp_path / "elsewhere" / "renamed-model"
+    shutil.copytree(folders[1], moved)
+    gen = mlxb("golden-gen", "-m", str(folders[1]), "--b", "2", "-c", "join", "--goldens", str(g))
+    assert gen.returncode == 0 and "1 new" in gen.stdout, gen.stdout + gen.stderr
+    r = mlxb("parity", "-m", str(moved), "--b", "2", "-c", "join", "--against", "golden", "--goldens", str(g), "--json")
+    out = json.loads(r.stdout)
+    (x,) = out["results"]
+    assert r.returncode == 0 and x["against"] == "golden:machine" and x["exact"] == x["steps"] > 0
+    assert out["warnings"] == []
+    # the same goldens seen from a machine key that has none of its own: only the shared layer applies
+    r = mlxb("parity", "-m", str(moved), "--b", "2", "-c", "join", "--against", "golden", "--goldens", str(g),
+             "--json", env={"MLXB_MACHINE_KEY": "cpu-test-no-goldens"})
+    out = json.loads(r.stdout)
+    (x,) = out["results"]
+    assert x["against"] == "golden:shared" and x["exact"] == 0 and x["tokens_only"] == x["steps"] > 0
+    assert "cpu-test-no-goldens" in out["warnings"][0] and "mlxb golden-gen --model" in out["warnings"][0]
+    table = mlxb("parity", "-m", str(moved), "--b", "2", "-c", "join", "--against", "golden", "--goldens", str(g),
+                 env={"MLXB_MACHINE_KEY": "cpu-test-no-goldens"})
+    assert "0 exact" in table.stdout and "tokens only" in table.stdout and "warning: no goldens" in table.stdout
+
+
+def test_dtype_is_refused_for_quantized_weights_and_unknown_names(folders):
+    r = mlxb("parity", "-m", str(folders[1]), "--dtype", "bf16", "--b", "2", "-c", "join")
+    assert r.returncode != 0 and "quantized" in (r.stdout + r.stderr) and "leave --dtype out" in (r.stdout + r.stderr)
+    r = mlxb("parity", "-m", str(folders[0]), "--dtype", "int8", "--b", "2", "-c", "join")
+    assert r.returncode != 0 and "float32, bfloat16 or float16" in (r.stdout + r.stderr)
