@@ -7,6 +7,7 @@ The engine runs on its own thread; streams reach the event loop through ``Output
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Optional
@@ -30,6 +31,14 @@ class _HTTPError(MlxbError):
     def __init__(self, status: int, message: str, kind: str, code: str):
         super().__init__(message, code=code)
         self.status, self.kind = status, kind
+
+
+def _choice_input(inp, i: int):
+    """Choice ``i`` of a request with ``n`` > 1: the same input, its seed offset by ``i`` (unseeded
+    choices sample independently)."""
+    sp = inp.sampling
+    seed = None if sp.seed is None else sp.seed + i
+    return dataclasses.replace(inp, sampling=dataclasses.replace(sp, seed=seed), request_id=None)
 
 
 def err(e: MlxbError) -> JSONResponse:
@@ -67,6 +76,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             raise ValidationError(f"malformed JSON body: {e}") from None
 
     async def completions(request: Request, chat: bool):
+        subs = []
         try:
             check_auth(request)
             body = await read_json(request)
@@ -74,18 +84,23 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             if opts["model"] is not None and opts["model"] not in names and opts["model"] != "default_model":
                 raise ModelNotFoundError(f"model {opts['model']!r} is not served here; this server serves "
                                          f"{sorted(names)} (see GET /v1/models)", param="model")
-            req, stream = gw.submit(inp, loop=asyncio.get_running_loop())
+            loop = asyncio.get_running_loop()
+            for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
+                subs.append(gw.submit(inp if i == 0 else _choice_input(inp, i), loop=loop))
         except MlxbError as e:
+            for req, _ in subs:
+                gw.cancel(req.request_id)
             metrics.requests.labels("chat" if chat else "completions", f"http_{e.status}").inc()
             return err(e)
         except ClientDisconnect:
             return Response(status_code=499)
-        metrics.prompt_tokens.inc(req.num_prompt_tokens)
+        for req, _ in subs:
+            metrics.prompt_tokens.inc(req.num_prompt_tokens)
         cid, model = P.new_id(chat), gw.model_name
         if opts["stream"]:
-            return StreamingResponse(sse(req, stream, cid, model, chat, opts), media_type="text/event-stream",
+            return StreamingResponse(sse(subs, cid, model, chat, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await collect(req, stream, cid, model, chat, opts, request)
+        return await collect(subs, cid, model, chat, opts)
 
     def observe(out, last_t):
         now = time.perf_counter()
@@ -98,71 +113,112 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
     def lp_block(chat, outs):
         return (P.logprobs_chat if chat else P.logprobs_completion)(gw.tokenizer, outs)
 
-    async def collect(req, stream, cid, model, chat, opts, request):
-        outs, text, last = [], [], None
+    async def drain(req, stream):
+        outs, last = [], None
         try:
             async for out in stream:
                 observe(out, None)
                 outs.append(out)
-                text.append(out.text)
                 last = out
         finally:
             if last is None or last.finish_reason is None:
                 gw.cancel(req.request_id)
         if last.timings and last.timings.get("ttft_s") is not None:
             metrics.ttft.observe(last.timings["ttft_s"])
-        if last.finish_reason == "error":
-            metrics.requests.labels("chat" if chat else "completions", "error").inc()
-            e = last.error if isinstance(last.error, MlxbError) else MlxbError(str(last.error))
-            return err(e)
-        metrics.requests.labels("chat" if chat else "completions", "ok").inc()
-        lp = lp_block(chat, outs) if opts["logprobs"] else None
-        body, calls, reason = "".join(text), None, P.finish(last.finish_reason)
-        if opts["tools"] and gw.tool_format.on:
-            body, calls = split_tool_calls(gw.tool_format, opts["tools"], body)
-            if calls and reason == "stop":
-                reason = "tool_calls"
-        return JSONResponse(P.full(cid, model, chat, body, reason, last.usage, lp, calls))
+        return outs, last
 
-    async def sse(req, stream, cid, model, chat, opts):
-        done = False
-        last_t = None
-        first = True
-        calls = ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
+    async def collect(subs, cid, model, chat, opts):
+        tasks = [asyncio.ensure_future(drain(req, st)) for req, st in subs]
         try:
-            async for out in stream:
-                last_t = observe(out, last_t)
+            done = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+        kind = "chat" if chat else "completions"
+        for _, last in done:
+            if last.finish_reason == "error":
+                metrics.requests.labels(kind, "error").inc()
+                return err(last.error if isinstance(last.error, MlxbError) else MlxbError(str(last.error)))
+        metrics.requests.labels(kind, "ok").inc()
+        choices = []
+        for i, (outs, last) in enumerate(done):
+            lp = lp_block(chat, outs) if opts["logprobs"] else None
+            body, calls, reason = "".join(o.text for o in outs), None, P.finish(last.finish_reason)
+            if opts["tools"] and gw.tool_format.on:
+                body, calls = split_tool_calls(gw.tool_format, opts["tools"], body)
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            choices.append(P.choice(chat, i, body, reason, lp, calls))
+        return JSONResponse(P.full(cid, model, chat, choices, P.total_usage([last.usage for _, last in done])))
+
+    async def merged(subs):
+        """(choice index, output) from every choice's stream as they come; (index, None) ends a choice."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async for out in stream:
+                    await q.put((i, out))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, (_, st) in enumerate(subs)]
+        try:
+            open_ = len(subs)
+            while open_:
+                i, out = await q.get()
+                if out is None:
+                    open_ -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def sse(subs, cid, model, chat, opts):
+        n = len(subs)
+        done, last_t, first = [False] * n, [None] * n, [True] * n
+        usages = [None] * n
+        calls = [ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
+                 for _ in range(n)]
+        kind = "chat" if chat else "completions"
+        try:
+            async for i, out in merged(subs):
+                last_t[i] = observe(out, last_t[i])
                 lp = lp_block(chat, [out]) if (opts["logprobs"] and out.logprob is not None) else None
                 parts = [("content", out.text or "")]
-                if calls is not None:  # text is split into content and tool calls (a tag may wait a chunk)
-                    parts = calls.feed(out.text or "") + (calls.finish() if out.finish_reason is not None else [])
+                if calls[i] is not None:  # text is split into content and tool calls (a tag may wait a chunk)
+                    parts = calls[i].feed(out.text or "") + (calls[i].finish() if out.finish_reason is not None else [])
                     parts = parts or [("content", "")]
-                for kind, v in parts:
-                    text, tc = (v, None) if kind == "content" else ("", v)
-                    if text or tc or lp or first:
-                        if first and out.timings is None:
-                            metrics.ttft.observe(time.perf_counter() - req.timings.submitted)
-                        yield f"data: {json.dumps(P.chunk(cid, model, chat, text, None, lp, first, tc))}\n\n"
-                        first, lp = False, None
+                for part, v in parts:
+                    text, tc = (v, None) if part == "content" else ("", v)
+                    if text or tc or lp or first[i]:
+                        if first[i] and out.timings is None:
+                            metrics.ttft.observe(time.perf_counter() - subs[i][0].timings.submitted)
+                        yield f"data: {json.dumps(P.chunk(cid, model, chat, text, None, lp, first[i], tc, i))}\n\n"
+                        first[i], lp = False, None
                 if out.finish_reason is not None:
-                    done = True
+                    done[i], usages[i] = True, out.usage
                     if out.finish_reason == "error":
                         e = out.error if isinstance(out.error, MlxbError) else MlxbError(str(out.error))
                         yield f"data: {json.dumps(P.error_body(e))}\n\n"
                     reason = P.finish(out.finish_reason)
-                    if calls is not None and calls.num_calls and reason == "stop":
+                    if calls[i] is not None and calls[i].num_calls and reason == "stop":
                         reason = "tool_calls"
-                    yield f"data: {json.dumps(P.chunk(cid, model, chat, '', reason))}\n\n"
-                    if opts["include_usage"]:
-                        u = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
-                             "created": int(time.time()), "model": model, "choices": [], "usage": P.usage(out.usage)}
-                        yield f"data: {json.dumps(u)}\n\n"
-                    yield "data: [DONE]\n\n"
-                    metrics.requests.labels("chat" if chat else "completions", out.finish_reason).inc()
+                    yield f"data: {json.dumps(P.chunk(cid, model, chat, '', reason, index=i))}\n\n"
+                    metrics.requests.labels(kind, out.finish_reason).inc()
+            if all(done):
+                if opts["include_usage"]:
+                    u = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": int(time.time()), "model": model, "choices": [],
+                         "usage": P.usage(P.total_usage(usages))}
+                    yield f"data: {json.dumps(u)}\n\n"
+                yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away mid-stream: free the row within one step
-                gw.cancel(req.request_id)
-                metrics.requests.labels("chat" if chat else "completions", "disconnected").inc()
+            for (req, _), d in zip(subs, done):
+                if not d:  # the client went away mid-stream: free the row within one step
+                    gw.cancel(req.request_id)
+                    metrics.requests.labels(kind, "disconnected").inc()
 
     async def chat_route(request: Request):
         return await completions(request, chat=True)

@@ -10,8 +10,15 @@ from mlxb.engine.gateway import GenerationInput
 from mlxb.errors import MlxbError, ValidationError
 from mlxb.request import RequestOutput, SamplingParams
 
-UNSUPPORTED = ("adapters", "draft_model", "functions", "function_call", "n", "best_of",
-               "suffix", "echo", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+UNSUPPORTED = {  # field -> what it would do (the 400 names it and says to remove the field)
+    "adapters": "per-request LoRA adapters", "draft_model": "a per-request draft model (start the server with "
+    "--draft-model)", "functions": "legacy functions (use tools)", "function_call": "legacy function_call (use "
+    "tool_choice)", "best_of": "best_of (several candidates, the best returned; n returns them all)",
+    "suffix": "suffix (fill-in-the-middle insertion)", "echo": "echo (the prompt repeated in the completion)",
+    "guided_json": "guided_json (use response_format or structured_outputs)", "guided_regex": "guided_regex (use "
+    "structured_outputs.regex)", "guided_grammar": "guided_grammar (use structured_outputs.grammar)",
+    "guided_choice": "guided_choice (use structured_outputs.choice)"}
+MAX_N = 16  # choices per request (each is a row of the batch)
 
 NUM = (int, float)
 
@@ -37,10 +44,14 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     """Return the gateway input and the response options (stream, include_usage, logprobs shape)."""
     if not isinstance(body, dict):
         raise ValidationError("the request body must be a JSON object")
-    for key in UNSUPPORTED:
+    for key, what in UNSUPPORTED.items():
         v = body.get(key)
-        if v not in (None, [], {}, False) and not (key in ("n", "best_of") and v == 1):
-            raise MlxbError(f"{key} is not supported by mlxb yet; remove the field", param=key, code="unsupported_field")
+        if v not in (None, [], {}, False) and not (key == "best_of" and v == 1):
+            raise MlxbError(f"{key}: {what} is not supported by mlxb; remove the field", param=key,
+                            code="unsupported_field")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise ValidationError(f"n must be between 1 and {MAX_N} (choices per request), got {n}", param="n")
     if chat:
         messages = _get(body, "messages", list)
         if messages is None:
@@ -116,6 +127,7 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
         raise ValidationError("tools belong to /v1/chat/completions", param="tools")
     opts = {
         "stream": _get(body, "stream", bool, False),
+        "n": n,
         "include_usage": bool(stream_opts.get("include_usage", False)),
         "model": _get(body, "model", str, None),
         "logprobs": want_lp,
@@ -179,31 +191,41 @@ def finish(reason: Optional[str]) -> Optional[str]:
 
 
 def chunk(cid: str, model: str, chat: bool, text: str, reason: Optional[str], lp: Optional[dict] = None,
-          first: bool = False, tool_calls: Optional[list[dict]] = None) -> dict:
+          first: bool = False, tool_calls: Optional[list[dict]] = None, index: int = 0) -> dict:
     now = int(time.time())
     if chat:
         delta = {"role": "assistant", "content": text} if (text or first) else {}
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         return {"id": cid, "object": "chat.completion.chunk", "created": now, "model": model, "choices": [choice]}
     return {"id": cid, "object": "text_completion", "created": now, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": reason}]}
 
 
-def full(cid: str, model: str, chat: bool, text: Optional[str], reason: str, u: dict, lp: Optional[dict],
-         tool_calls: Optional[list[dict]] = None) -> dict:
-    now = int(time.time())
+def choice(chat: bool, index: int, text: Optional[str], reason: str, lp: Optional[dict],
+           tool_calls: Optional[list[dict]] = None) -> dict:
     if chat:
         message = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
-        obj = "text_completion"
-    return {"id": cid, "object": obj, "created": now, "model": model, "choices": [choice], "usage": usage(u)}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+
+
+def full(cid: str, model: str, chat: bool, choices: list[dict], u: dict) -> dict:
+    return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(u)}
+
+
+def total_usage(us: list[dict]) -> dict:
+    """Usage of a request with several choices: the prompt once, every choice's completion tokens."""
+    out = dict(us[0])
+    for k in ("completion_tokens", "draft_tokens", "accepted_tokens"):
+        if k in out:
+            out[k] = sum(u.get(k, 0) for u in us)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
 
 
 def error_body(e: MlxbError) -> dict:

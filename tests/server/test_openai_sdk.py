@@ -93,3 +93,41 @@ def test_eight_concurrent_streams_batch(sdk, live):
     assert max(s["active_rows"] for s in seen) >= 4
     assert any(s["batched"] for s in seen)
     assert seen[-1]["mode"] == "batch"
+
+
+def test_n_choices_are_rows_with_offset_seeds(sdk):
+    """n=3 with a seed: three choices, choice i is what n=1 with seed + i gives; usage counts the prompt once."""
+    kw = dict(model="tiny-llama", messages=MSG, max_tokens=12, temperature=1.0)
+    r = sdk.chat.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    solo = [sdk.chat.completions.create(seed=11 + i, **kw).choices[0].message.content for i in range(3)]
+    assert texts == solo and len(set(texts)) > 1
+    one = sdk.chat.completions.create(seed=11, **kw)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert r.usage.completion_tokens == 3 * 12 == r.usage.total_tokens - r.usage.prompt_tokens
+
+
+def test_n_choices_stream_with_their_indexes_and_one_done(sdk):
+    chunks = list(sdk.completions.create(model="tiny-llama", prompt="Once", max_tokens=5, n=2, stream=True, seed=4,
+                                         temperature=1.0, stream_options={"include_usage": True}))
+    by = {0: "", 1: ""}
+    finals = []
+    for c in chunks:
+        for ch in c.choices:
+            by[ch.index] += ch.text
+            if ch.finish_reason:
+                finals.append(ch.index)
+    assert sorted(finals) == [0, 1] and all(by.values())
+    assert chunks[-1].usage.completion_tokens == 10
+    single = [sdk.completions.create(model="tiny-llama", prompt="Once", max_tokens=5, seed=4 + i,
+                                     temperature=1.0).choices[0].text for i in range(2)]
+    assert [by[0], by[1]] == single
+
+
+@pytest.mark.parametrize("body,param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"echo": True}, "echo"),
+                                        ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of")])
+def test_unsupported_or_bad_choice_fields_are_a_400_naming_them(live, body, param):
+    r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert param in r.json()["error"]["message"]
