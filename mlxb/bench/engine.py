@@ -30,9 +30,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from mlxb.engine.engine import Engine, freeze_heap
+from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
-from mlxb.engine.warmup import warm_up
+from mlxb.engine.warmup import freeze_heap, warm_up
 from mlxb.request import Request
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlxb.engine.engine import Engine, freeze_heap
+from mlxb.engine.engine import Engine
 from mlxb.engine.gateway import Gateway, context_limit
-from mlxb.engine.warmup import warm_up
+from mlxb.engine.warmup import freeze_heap, warm_up
 from mlxb.models import load_model
 
 

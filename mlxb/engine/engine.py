@@ -10,7 +10,6 @@ request runs and admission resumes (drain, never starve).
 from __future__ import annotations
 
 import copy
-import gc
 import queue
 import threading
 import time
@@ -31,15 +30,6 @@ from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.engine.trace import IterationTrace
 from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
-
-
-def freeze_heap() -> None:
-    """Collect once, then take every object alive now (model, tokenizer, imported modules) out of
-    the cyclic collector's view, as vLLM does after start-up: the full collections that serving
-    traffic triggers then scan only what serving allocated (here a full scan of the start-up heap
-    took tens of milliseconds, one stalled decode step)."""
-    gc.collect()
-    gc.freeze()
 
 
 class Engine:
