@@ -73,6 +73,19 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --gen ${GEN:-64} --repeats ${REPEATS:-2} --prefill-chunk ${CHUNK:-8192} --quantized-kv-start ${KV_START:-0} --out "$OUT/kv-$m.json" 2>&1 | grep -v Warning | tail -20
     MLX_CUDA_USE_CUDNN_SDPA=0 python3 scripts/kv_attention_cost.py /var/tmp/$m --context ${CONTEXT:-8192} --batches ${BATCHES:-32} \
       --out "$OUT/kv-attention-$m.json" 2>&1 | grep -v Warning ;;
+  goldens)  # CUDA goldens: every tiny preset x case x B=1..4, fp32 and bf16 (resumable: existing files are kept)
+    key=$(python3 -c 'from mlxb.doctor import machine_key; print(machine_key())')
+    t0=$(date +%s); timeout ${LIMIT:-540} python3 -m mlxb.commands.main golden-gen --all 2>&1 | tail -4
+    echo "golden-gen $(( $(date +%s) - t0 ))s"; tar czf "$OUT/goldens-$key.tgz" goldens/$key ;;
+  parity)  # the whole parity matrix against the live oracle and the goldens, then clean stops under load
+    t0=$(date +%s); timeout ${LIMIT:-420} python3 -m mlxb.commands.main parity --all --against both --json > "$OUT/parity-all.json"
+    echo "parity rc=$? in $(( $(date +%s) - t0 ))s"
+    python3 -c "import json,collections; d=json.load(open('$OUT/parity-all.json')); c=collections.Counter()
+for x in d['results']:
+    k=x['against'].split(':')[0]; c[k,'cases']+=1; c[k,'ok']+=x['ok']
+    for f in ('steps','exact','envelope','tokens_only'): c[k,f]+=x[f]
+print(d['ok'], d['machine_key'], dict(c)); print([x['case']+' '+x['against'] for x in d['results'] if not x['ok']][:20])"
+    python3 -m pytest -q -p no:cacheprovider tests/server/test_serve_cli.py -k "busy or generate" 2>&1 | tail -3 ;;
   spec)  # speculative decoding vs plain on our engine: synth-llama-1b drafting for synth-llama-8b, self-draft, lookup
     for m in synth-llama-1b synth-llama-8b; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
