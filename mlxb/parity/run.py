@@ -101,9 +101,31 @@ def target(model: str, dtype: Optional[str]) -> Target:
                   shown=model)
 
 
+def _quant_backend(t: Target) -> Optional[str]:
+    """Why this backend cannot run the quant case's attention at ``t``'s dtype (None: it can). MLX's CUDA
+    backend, for one, has no quantized matmul for float32 activations."""
+    import mlx.core as mx
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from mlxb.parity.protocol import QUANT_GROUP
+
+    dt = getattr(mx, t.dtype)
+    try:
+        for bits, d in ((b, d) for b in (4, 8) for d in (32, 64, 128)):
+            k = mx.quantize(mx.ones((1, 2, 8, d), dtype=dt), group_size=QUANT_GROUP, bits=bits)
+            q = mx.ones((1, 4, 1, d), dtype=dt)
+            mx.eval(quantized_scaled_dot_product_attention(q, k, k, scale=1.0, mask=None, group_size=QUANT_GROUP,
+                                                           bits=bits))
+    except (RuntimeError, ValueError) as e:
+        return f"{mx.default_device()} has no quantized attention for {t.dtype} ({str(e).splitlines()[0][:90]})"
+    return None
+
+
 def skipped(t: Target, names: Optional[list[str]] = None) -> dict[str, str]:
-    """The cases that do not apply to ``t``'s model, with the reason."""
+    """The cases that do not apply to ``t``'s model (or to this backend), with the reason."""
     out = {n: skip_reason(n, t.kinds) for n in (names or CASES)}
+    if "quant" in out and out["quant"] is None:
+        out["quant"] = _quant_backend(t)
     return {n: why for n, why in out.items() if why}
 
 
