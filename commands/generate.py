@@ -42,21 +42,24 @@ def generate(
         texts = [prompt] * concurrency
     else:
         raise ValidationError("give --prompt TEXT or --prompts-file FILE")
-    gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False)  # one-shot
     import signal
 
     def on_term(*_):
         raise _Stopped(143)
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_term)  # before loading: a stop during the load exits as cleanly
+    gw = None
     try:
+        gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False)  # one-shot
         results = _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput)
     except (KeyboardInterrupt, _Stopped) as e:  # the engine stops after its step; the exit is clean
-        gw.engine.shutdown()
+        if gw is not None:
+            gw.engine.shutdown()
         console.print("[yellow]interrupted[/]")
         raise typer.Exit(e.code if isinstance(e, _Stopped) else 130) from None
     finally:
-        gw.engine.shutdown()
+        if gw is not None:
+            gw.engine.shutdown()
     if json_out:
         for r in results:
             print(json.dumps(r))

@@ -39,6 +39,7 @@ class Target:
     ids: Optional[list] = None  # prompt id pool (folders: the tokenizer's ordinary ids); None: [3, vocab)
     trimmable: Optional[bool] = None
     shown: str = ""  # what the user typed
+    head_dim: int = 64
 
 
 def _config(path: Path) -> dict:
@@ -46,8 +47,17 @@ def _config(path: Path) -> dict:
     return {**cfg, **cfg.get("text_config", {})}
 
 
-def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list], int]:
-    """Layer kinds, window, ordinary token ids and embedding width of a model (weights stay lazy)."""
+def _head_dim(m) -> int:
+    for layer in getattr(m, "layers", None) or getattr(getattr(m, "model", None), "layers", []):
+        hd = getattr(getattr(layer, "self_attn", None), "head_dim", None)
+        if isinstance(hd, int):
+            return hd
+    return 64
+
+
+def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list], int, int]:
+    """Layer kinds, window, ordinary token ids, embedding width and attention head size of a model
+    (weights stay lazy)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxb.cache.protocol import layer_kinds
@@ -60,7 +70,7 @@ def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list
     width = int(m.model.embed_tokens.weight.shape[0]) if hasattr(getattr(m, "model", None), "embed_tokens") else len(hf)
     special = set(getattr(hf, "all_special_ids", []) or [])
     ids = [i for i in range(min(width, len(hf))) if i not in special]
-    return kinds, min(sizes) if sizes else 64, ids, width
+    return kinds, min(sizes) if sizes else 64, ids, width, _head_dim(m)
 
 
 def target(model: str, dtype: Optional[str]) -> Target:
@@ -81,9 +91,9 @@ def target(model: str, dtype: Optional[str]) -> Target:
     cfg = _config(path)
     if spec.kind == "preset":
         native, dt = PRESETS[spec.source].dtype, spec.dtype or PRESETS[spec.source].dtype
-        kinds, window, _, _ = _probe(spec.source, dt)
+        kinds, window, _, _, hd = _probe(spec.source, dt)
         return Target(spec.name, dt, goldens.label(spec.name, dt, native), int(cfg.get("vocab_size", 8192)),
-                      int(cfg.get("sliding_window") or window), kinds, (spec.source, dt), shown=model)
+                      int(cfg.get("sliding_window") or window), kinds, (spec.source, dt), shown=model, head_dim=hd)
     q = cfg.get("quantization") or cfg.get("quantization_config")
     native = safetensors_float_dtype(path) or cfg.get("torch_dtype") or cfg.get("dtype")
     if native not in goldens.SHORT:
@@ -93,17 +103,18 @@ def target(model: str, dtype: Optional[str]) -> Target:
         raise ValidationError(f"--dtype does not apply to {model}: its weights are {q.get('bits', '?')}-bit quantized "
                               f"(scales in {native}) and parity runs them as stored; leave --dtype out")
     cast = want if want not in (None, native) else None
-    kinds, window, ids, width = _probe(str(path), cast)
+    kinds, window, ids, width, hd = _probe(str(path), cast)
     base = f"{cfg.get('model_type', 'model')}{'-q%s' % q.get('bits') if q else ''}-{folder_fingerprint(path)[:12]}"
     dt = cast or native
     trim = all(k in ("full", "latent") for k in kinds)
     return Target(base, dt, goldens.label(base, dt, native), width, window, kinds, (str(path), cast), ids, trim,
-                  shown=model)
+                  shown=model, head_dim=hd)
 
 
 def _quant_backend(t: Target) -> Optional[str]:
-    """Why this backend cannot run the quant case's attention at ``t``'s dtype (None: it can). MLX's CUDA
-    backend, for one, has no quantized matmul for float32 activations."""
+    """Why this backend cannot run the quant case's attention at ``t``'s dtype and head size (None: it
+    can). MLX 0.32's CUDA backend, for one, has no quantized matmul for float32 activations, nor for the
+    tiny presets' 32-wide heads."""
     import mlx.core as mx
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
@@ -111,13 +122,14 @@ def _quant_backend(t: Target) -> Optional[str]:
 
     dt = getattr(mx, t.dtype)
     try:
-        for bits, d in ((b, d) for b in (4, 8) for d in (32, 64, 128)):
-            k = mx.quantize(mx.ones((1, 2, 8, d), dtype=dt), group_size=QUANT_GROUP, bits=bits)
-            q = mx.ones((1, 4, 1, d), dtype=dt)
+        for bits in (4, 8):
+            k = mx.quantize(mx.ones((1, 2, 8, t.head_dim), dtype=dt), group_size=QUANT_GROUP, bits=bits)
+            q = mx.ones((1, 4, 1, t.head_dim), dtype=dt)
             mx.eval(quantized_scaled_dot_product_attention(q, k, k, scale=1.0, mask=None, group_size=QUANT_GROUP,
                                                            bits=bits))
     except (RuntimeError, ValueError) as e:
-        return f"{mx.default_device()} has no quantized attention for {t.dtype} ({str(e).splitlines()[0][:90]})"
+        return (f"{mx.default_device()} has no quantized attention for {t.dtype} at head size {t.head_dim} "
+                f"({str(e).splitlines()[0][:90]})")
     return None
 
 
