@@ -24,10 +24,15 @@ Full and latent batch layers are ``AlignedBatchKVCache``: mlx-lm's ``BatchKVCach
 ``aligned`` flag the runner sets when no row has left padding. A one-token step over an aligned
 batch then needs no attention mask (every key is visible to every row), exactly like the single-row
 cache; the mask is skipped, which on some backends also selects a faster attention kernel.
+The mask is skipped only where attention without it gives the same bits as with an all-True mask
+(``mask_free_is_exact``, probed once per head size and dtype): on MLX's CUDA backend it did not for
+tiny-gemma4, whose batched rows then differed from mlx-lm in the last bits. ``MLXB_ALIGNED_NO_MASK=0``
+always keeps the mask.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
@@ -42,6 +47,35 @@ from mlx_lm.models.cache import (
 from mlxb.cache.holes import compact, unholed
 from mlxb.engine.outputs import KVProjection, LayerBytes
 
+_SKIP_ALIGNED_MASK = os.environ.get("MLXB_ALIGNED_NO_MASK", "1") != "0"
+
+
+_MASK_FREE: dict = {}
+
+
+def mask_free_is_exact(keys) -> bool:
+    """Whether one-token attention over keys shaped like ``keys`` gives the same bits with no mask as
+    with an all-True mask on this backend (the kernel chosen may differ); probed once per shape class."""
+    if keys is None:
+        return False
+    H, D, dt = keys.shape[1], keys.shape[-1], keys.dtype
+    key = (H, D, str(dt))
+    if key not in _MASK_FREE:
+        ok = True
+        for T in (5, 64, 300):
+            for G in (1, 2):
+                k1, k2, k3 = mx.random.split(mx.random.key(T * 7 + G), 3)
+                q = mx.random.normal((2, H * G, 1, D), key=k1).astype(dt)
+                k = mx.random.normal((2, H, T, D), key=k2).astype(dt)
+                v = mx.random.normal((2, H, T, D), key=k3).astype(dt)
+                a = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=None)
+                b = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
+                                                         mask=mx.ones((2, 1, 1, T), dtype=mx.bool_))
+                ok = ok and bool(mx.array_equal(a, b).item())
+        _MASK_FREE[key] = ok
+    return _MASK_FREE[key]
+
+
 class AlignedBatchKVCache(BatchKVCache):
     """``BatchKVCache`` whose owner may declare it unpadded (``aligned``); see the module notes."""
 
@@ -52,7 +86,7 @@ class AlignedBatchKVCache(BatchKVCache):
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         if self.holes is not None:
             return unholed(self, BatchKVCache.make_mask(self, N, return_array=True, **kwargs))
-        if N == 1 and self.aligned and not return_array:
+        if N == 1 and self.aligned and not return_array and _SKIP_ALIGNED_MASK and mask_free_is_exact(self.keys):
             return None  # the same result as an all-True mask
         return super().make_mask(N, return_array=return_array, **kwargs)
 
