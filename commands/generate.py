@@ -29,6 +29,20 @@ def generate(
     json_out: bool = typer.Option(False, "--json", help="Print JSON: text, token ids, finish reason, timings (one object per request)."),
 ) -> None:
     """Generate through the engine's gateway (continuous batching when K > 1 and --batch > 1)."""
+    import signal
+
+    def on_term(*_):
+        raise _Stopped(143)
+
+    signal.signal(signal.SIGTERM, on_term)  # first: a stop while MLX loads (slow on CUDA) exits as cleanly
+    try:
+        _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concurrency, raw, dtype, json_out)
+    except (KeyboardInterrupt, _Stopped) as e:
+        console.print("[yellow]interrupted[/]")
+        raise typer.Exit(e.code if isinstance(e, _Stopped) else 130) from None
+
+
+def _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concurrency, raw, dtype, json_out) -> None:
     from mlxb.engine.build import build_gateway
     from mlxb.engine.gateway import GenerationInput
     from mlxb.errors import ValidationError
@@ -42,22 +56,11 @@ def generate(
         texts = [prompt] * concurrency
     else:
         raise ValidationError("give --prompt TEXT or --prompts-file FILE")
-    import signal
-
-    def on_term(*_):
-        raise _Stopped(143)
-
-    signal.signal(signal.SIGTERM, on_term)  # before loading: a stop during the load exits as cleanly
     gw = None
     try:
         gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False)  # one-shot
         results = _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput)
-    except (KeyboardInterrupt, _Stopped) as e:  # the engine stops after its step; the exit is clean
-        if gw is not None:
-            gw.engine.shutdown()
-        console.print("[yellow]interrupted[/]")
-        raise typer.Exit(e.code if isinstance(e, _Stopped) else 130) from None
-    finally:
+    finally:  # also on SIGINT/SIGTERM: the engine stops after its step, then the exit is clean
         if gw is not None:
             gw.engine.shutdown()
     if json_out:

@@ -123,12 +123,26 @@ def test_a_busy_server_stops_cleanly_and_answers_its_open_streams(sig, batch):
             proc.kill()
 
 
+def _catches(pid: int, sig) -> bool:
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        time.sleep(6)  # no /proc (macOS): give the process time to start
+        return True
+    caught = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("SigCgt:")), 16)
+    return bool(caught >> (int(sig) - 1) & 1)
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code):
     proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "generate", "-p", "hi", "-k", "8", "--batch",
                              "8", "-n", "4000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ))
-    time.sleep(6)  # model loaded, rows decoding (8 rows of 4000 tokens take far longer)
+    t0 = time.monotonic()
+    while not _catches(proc.pid, signal.SIGTERM):  # the command's handler is in place (Linux: /proc)
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stderr.read()
+        time.sleep(0.1)
+    time.sleep(4)  # model loaded, rows decoding (8 rows of 4000 tokens take far longer)
     assert proc.poll() is None
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == code
