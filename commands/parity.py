@@ -186,7 +186,9 @@ def golden_gen(
             cs = build_cases(t, bs, cases)
             for item in gen(t, cs, root, machine, force, _tracker(prog, t.label)):
                 counts[item["status"]] = counts.get(item["status"], 0) + 1
-                if item["changes"]:
+                if item["status"] == "oracle failed":
+                    console.print(f"[red]{t.label} {item['case']}: the mlx-lm oracle failed: {item['changes'][0]}[/]")
+                elif item["changes"]:
                     console.print(f"[yellow]{t.label} {item['case']}[/] changed:")
                     for line in item["changes"][:10]:
                         console.print(f"  {line}")

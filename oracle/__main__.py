@@ -1,6 +1,6 @@
 """``python -m mlxb.oracle CASES.jsonl OUT.json [LOADS.json]``: run parity cases with mlx-lm in this process.
 
-``LOADS.json`` maps a case's model id to the ``[source, dtype]`` to load (a folder is named by its
+``LOADS.json`` maps a case's ``model|dtype`` to the ``[source, dtype]`` to load (a folder is named by its
 content in the cases, so the path to it comes from here).
 
 The parity command starts this in its own process, so nothing the engine under test did (its
@@ -25,10 +25,13 @@ def main(argv: list[str]) -> int:
     out = []
     for i, case in enumerate(cases):
         mkey = (case.model, case.dtype)
-        if mkey not in models:
-            models.clear()  # one model resident at a time
-            models[mkey] = load_model(*loads.get(case.model, (case.model, case.dtype)))[:2]
-        res = run_case(*models[mkey][:1], case, tokenizer=models[mkey][1])
+        try:
+            if mkey not in models:
+                models.clear()  # one model resident at a time
+                models[mkey] = load_model(*loads.get(f"{case.model}|{case.dtype}", (case.model, case.dtype)))[:2]
+            res = run_case(*models[mkey][:1], case, tokenizer=models[mkey][1])
+        except Exception as e:  # one case the backend or model cannot run fails alone, with its reason
+            res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300], "records": None}
         out.append({"digest": case.digest(), **res})
         print(f"oracle {i + 1}/{len(cases)}", file=sys.stderr, flush=True)
     with open(dst, "w") as f:

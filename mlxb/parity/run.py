@@ -41,6 +41,10 @@ class Target:
     shown: str = ""  # what the user typed
     head_dim: int = 64
 
+    def loads(self) -> Optional[dict]:
+        """What to load for this target's cases (``run_oracle`` / ``run_ours``)."""
+        return {f"{self.model}|{self.dtype}": self.load} if self.load else None
+
 
 def _config(path: Path) -> dict:
     cfg = json.loads((path / "config.json").read_text())
@@ -152,7 +156,7 @@ def build_cases(t: Target, bs: Iterable[int], names: Optional[list[str]] = None,
 
 def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Optional[dict] = None) -> list[dict]:
     """Run every case through mlx-lm in a child process; results in case order. ``loads`` maps a case's
-    model id to the ``(source, dtype)`` to load (default: the id and the case's dtype)."""
+    ``model|dtype`` to the ``(source, dtype)`` to load (default: the id and the case's dtype)."""
     with tempfile.TemporaryDirectory() as d:
         src, dst, lds = Path(d) / "cases.jsonl", Path(d) / "oracle.json", Path(d) / "loads.json"
         src.write_text("".join(json.dumps(c.to_dict()) + "\n" for c in cases))
@@ -183,12 +187,15 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
     loaded: dict = {}
     out = []
     for i, c in enumerate(cases):
-        if (c.model, c.dtype) not in loaded:
-            loaded.clear()
-            m, tok, _, _ = load_model(*(loads or {}).get(c.model, (c.model, c.dtype)))
-            loaded[(c.model, c.dtype)] = (m, tok)
-        m, tok = loaded[(c.model, c.dtype)]
-        out.append(run_engine(m, tok, c, faults))
+        try:
+            if (c.model, c.dtype) not in loaded:
+                loaded.clear()
+                m, tok, _, _ = load_model(*(loads or {}).get(f"{c.model}|{c.dtype}", (c.model, c.dtype)))
+                loaded[(c.model, c.dtype)] = (m, tok)
+            m, tok = loaded[(c.model, c.dtype)]
+            out.append(run_engine(m, tok, c, faults))
+        except Exception as e:  # the case fails alone; the others still run
+            out.append({"records": {}, "schedule_mismatch": None, "error": f"{type(e).__name__}: {e}"[:300]})
         if progress:
             progress("engine (mlxb)", i + 1, len(cases))
     return out
@@ -206,14 +213,23 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
                 raise ValidationError(f"the stored case {t.label}/{c.key} differs from the generated one (the "
                                       "case generator changed); regenerate with `mlxb golden-gen --force`")
             gold[c.key] = g
-    loads = {t.model: t.load} if t.load else None
+    loads = t.loads()
     ref = run_oracle(cases, progress, loads) if against in ("live", "both") else None
     ours = run_ours(cases, faults, progress, loads)
     results = []
     for i, c in enumerate(cases):
         label = f"{t.label} {c.key}"
         mismatch = ours[i]["schedule_mismatch"]
-        if ref is not None:
+        if ours[i].get("error"):
+            r = CaseResult(label, "engine")
+            r.error = f"the engine failed on this case: {ours[i]['error']}"
+            results.append(r)
+            continue
+        if ref is not None and ref[i].get("error"):
+            r = CaseResult(label, "live")
+            r.error = f"the mlx-lm oracle failed on this case: {ref[i]['error']}"
+            results.append(r)
+        elif ref is not None:
             r = compare(label, "live", ours[i]["records"], ref[i]["records"])
             r.schedule_mismatch = mismatch
             results.append(r)
@@ -242,7 +258,7 @@ def golden_gen(t: Target, cases: list[Case], root: Path, machine: str, force: bo
         exists = old is not None and old["level"] == "machine"
         plans.append((c, old if exists else None))
     todo = [c for c, old in plans if old is None or force]
-    ref = run_oracle(todo, progress, {t.model: t.load} if t.load else None) if todo else []
+    ref = run_oracle(todo, progress, t.loads()) if todo else []
     envelopes = goldens.load_envelopes(root)
     by_digest = {c.digest(): r for c, r in zip(todo, ref)}
     report = []
@@ -251,6 +267,9 @@ def golden_gen(t: Target, cases: list[Case], root: Path, machine: str, force: bo
             report.append({"case": c.key, "status": "kept (exists; use --force)", "changes": []})
             continue
         res = by_digest[c.digest()]
+        if res.get("error"):  # nothing is written for a case the oracle could not run
+            report.append({"case": c.key, "status": "oracle failed", "changes": [res["error"]]})
+            continue
         changes = goldens.diff(old["records"], res["records"]) if old is not None else []
         goldens.write(root, machine, t.label, c, res["records"], envelopes.get(t.label))
         status = "new" if old is None else ("unchanged" if not changes else "CHANGED")

@@ -146,3 +146,18 @@ def test_quant_oracle_keeps_the_batch_layout_for_rows_padded_against_a_long_one(
     assert all(s["g"] is not None for v in ref["records"].values() for s in v)  # geometry is compared
     (bad,) = run_ours([case], faults=frozenset({"kv_stale_scale"}))
     assert any(r.first_divergence is not None for r in compare("bad", "live", bad["records"], ref["records"]).rows)
+
+
+def test_a_case_that_cannot_run_fails_alone_with_its_reason(tmp_path):
+    """A case neither side can load (a dtype the preset has not) fails in the oracle and in the engine;
+    it is reported with the reason and the next case still runs and passes (before, one such case
+    aborted the whole run, as a kernel a backend lacks did on CUDA)."""
+    from mlxb.parity.run import parity, run_oracle, target
+
+    good = make_case("tiny-llama", "float32", "join", 2)
+    bad = Case("tiny-llama", "int8", "join", 2, 0, good.rows, good.prefill_chunk, good.join_full)
+    ref = run_oracle([bad, good])
+    assert ref[0]["error"] and ref[0]["records"] is None and ref[1]["records"]
+    res = parity(target("tiny-llama", None), [bad, good], "live", tmp_path, "cpu-test")
+    assert not res[0].ok and "failed on this case" in res[0].error
+    assert res[1].ok and res[1].counts()["exact"] == res[1].counts()["steps"] > 0
