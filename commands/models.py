@@ -61,3 +61,25 @@ def build(
     with console.status(f"building {name} ..."):
         path = write_folder(PRESETS[name], out, spec.dtype) if out else ensure_preset(PRESETS[name], spec.dtype)
     console.print(f"[green]built[/] {name} ({spec.dtype}) at {path}")
+
+
+@app.command("build-adapter")
+@cli_errors
+def build_adapter(
+    name: str = typer.Argument(..., help="Adapter name (for messages; serve it with --adapters NAME=FOLDER)."),
+    base: str = typer.Option("tiny-llama", "--base", help="Base model: preset, folder or HF id."),
+    rank: int = typer.Option(8, "--rank", min=1, max=256),
+    num_layers: int = typer.Option(-1, "--num-layers", help="LoRA on the last N layers (-1: all), as mlx_lm.lora."),
+    scale: float = typer.Option(20.0, "--scale"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(..., "--out", help="Adapter folder to write."),
+) -> None:
+    """Write a random-weight LoRA adapter in mlx-lm's format (mlx_lm.generate --adapter-path, mlx_lm.fuse and
+    mlxb serve --adapters read it)."""
+    from mlxb.engine.lora import build_adapter as write
+    from mlxb.models.registry import load_model
+
+    with console.status(f"building adapter {name} ..."):
+        m, *_ = load_model(base, lazy=True)
+        path = write(m, out, rank=rank, num_layers=num_layers, scale=scale, seed=seed)
+    console.print(f"[green]built[/] adapter {name} (rank {rank}, random weights) for {base} at {path}")

@@ -40,6 +40,9 @@ def serve(
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32, help="Most draft tokens per row and step (adapted per row from its acceptance); a request's num_draft_tokens overrides it, 0 turns it off."),
     spec_max_batch: int = typer.Option(1, "--spec-max-batch", min=1, help="Speculate only while the batch holds at most this many rows (measured: a win alone, a loss at B=8; see the README)."),
     lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16, help="Longest n-gram --spec lookup matches (it tries shorter ones down to 1)."),
+    adapters: Optional[list[str]] = typer.Option(None, "--adapters", help="LoRA adapters (mlx-lm adapter folders) over the base, chosen per request: NAME=PATH[,NAME=PATH...] (repeatable). Requests pick one with model 'BASE:NAME' or mlx-lm's 'adapters' field; rows of different adapters decode in one batch."),
+    max_loras: Optional[int] = typer.Option(None, "--max-loras", min=1, help="Refuse to start with more adapters than this."),
+    max_lora_rank: Optional[int] = typer.Option(None, "--max-lora-rank", min=1, help="Refuse to start with an adapter of a higher rank."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -49,12 +52,14 @@ def serve(
     from mlxb.server.app import create_app
 
     budget = parse_bytes(kv_budget, "--kv-budget") if kv_budget else None
+    lora = parse_adapters(adapters)
     pc_bytes = parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes") if prompt_cache_bytes else None
     pc_disk = parse_bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes") if prompt_cache_disk_bytes else None
     with console.status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
                            max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template,
-                           warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes,
+                           warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes, adapters=lora,
+                           max_loras=max_loras, max_lora_rank=max_lora_rank,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
                            prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention, kv_bits=kv_bits,
                            kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config,
@@ -117,6 +122,22 @@ def _server(config, engine):
             threading.Thread(target=engine.stop, name="mlxb-stop", daemon=True).start()
 
     return Server(config)
+
+
+def parse_adapters(items: Optional[list[str]]) -> Optional[dict]:
+    from mlxb.errors import ValidationError
+
+    out: dict = {}
+    for part in (p.strip() for item in items or [] for p in item.split(",")):
+        name, eq, path = part.partition("=")
+        if not part:
+            continue
+        if not eq or not name or not path or ":" in name:
+            raise ValidationError(f"--adapters {part!r}: give NAME=PATH (a name without ':'), e.g. coder=./adapters/coder")
+        if name in out:
+            raise ValidationError(f"--adapters: {name!r} is given twice")
+        out[name] = path
+    return out or None
 
 
 def parse_bytes(s: str, flag: str = "--kv-budget") -> int:

@@ -105,6 +105,7 @@ class Request:
     ignore_eos: bool = False  # benchmarks: generate max_tokens even past EOS
     cache_prompt: bool = True  # False: neither reuse nor store this request's prefix (request field)
     num_draft_tokens: Optional[int] = None  # speculation per request (--spec): 0 turns it off, None: the server's
+    adapter: int = -1  # LoRA adapter slot (--adapters; mlxb.engine.lora), -1: the base model
     on_output: Optional[Callable[[Any], None]] = None  # called on the engine thread; raising evicts the row
     status: RequestStatus = RequestStatus.WAITING
     mechanism: str = "continuous"  # "serial" | "continuous"

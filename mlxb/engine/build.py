@@ -101,7 +101,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
-                  spec_max_batch: int = 1, **engine_kw) -> Gateway:
+                  spec_max_batch: int = 1, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
+                  max_lora_rank: Optional[int] = None, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     scheme = None
     if kv_bits is not None:
@@ -114,6 +115,13 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
 
             raise ValidationError(str(e), param="kv_bits") from None
     m, tok, spec_, path = load_model(model, dtype)
+    if adapters:  # {name: folder}: every adapter over the shared base, chosen per row
+        from mlxb.engine.lora import install, read_adapter
+        from mlxb.errors import ValidationError
+
+        if max_loras is not None and len(adapters) > max_loras:
+            raise ValidationError(f"{len(adapters)} adapters given, above --max-loras {max_loras}", param="adapters")
+        install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank)
     if spec is not None or draft_model is not None:
         engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
                                        spec_max_batch)

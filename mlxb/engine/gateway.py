@@ -44,6 +44,7 @@ class GenerationInput:
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
     response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: Optional[dict] = None  # vLLM's extension: one of json / regex / grammar / choice
+    adapter: Optional[str] = None  # a LoRA adapter loaded with --adapters (None: the base model)
 
 
 class Gateway:
@@ -159,12 +160,30 @@ class Gateway:
             raise ValidationError("num_draft_tokens must be an integer from 0 (no speculation) to 32",
                                   param="num_draft_tokens")
         ids = self.tokenize(inp)
+        slot = self.adapter_slot(inp.adapter)
+        # NOTE: the prompt cache holds base-model KV only; a row with an adapter neither reuses nor stores
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
-                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k)
+                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt and slot < 0, num_draft_tokens=k,
+                      adapter=slot)
         req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)
         return req
+
+    @property
+    def adapters(self) -> list[str]:
+        lora = getattr(self.engine.model, "mlxb_lora", None)
+        return list(lora.names) if lora is not None else []
+
+    def adapter_slot(self, name: Optional[str]) -> int:
+        if name is None:
+            return -1
+        if name not in self.adapters:
+            from mlxb.errors import ModelNotFoundError
+
+            raise ModelNotFoundError(f"adapter {name!r} is not loaded here; loaded: {self.adapters or 'none'} "
+                                     "(start the server with --adapters NAME=PATH)", param="model")
+        return self.adapters.index(name)
 
     def constraint(self, inp: GenerationInput):
         """The row's grammar matcher (``mlxb.engine.grammar.Constraint``) or None; a bad format is a 400."""

@@ -144,7 +144,7 @@ class PrefixReuse:
                 req.cached_tokens = pos
         while pos < body:
             end = min(pos + eng.prefill_chunk, body)
-            eng.model(mx.array(ids[pos:end])[None], cache=cache)
+            eng.runner.fwd([row], mx.array(ids[pos:end])[None], cache)
             mx.eval([c.state for c in cache])
             trim_allocator_cache()
             pos = end

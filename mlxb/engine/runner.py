@@ -15,9 +15,8 @@ It executes the scheduler's decisions on one running batch:
   t+1 from the unread token register, then reads step t's tokens as integers.
 * ``filter`` retires rows (the extra lookahead KV write of a finished row is dropped with it).
 
-After every join and filter the runner marks its full-attention batch caches ``aligned`` when every
-row's token count (known on the host: prompt tokens plus one per decode step) reaches the buffer
-index, i.e. no row is left-padded; a one-token step then runs without an attention mask.
+After every join and filter the runner marks full-attention batch caches ``aligned`` when no row is
+left-padded (host-side token counts reach the buffer index); see ``AlignedBatchKVCache.make_mask``.
 """
 
 from __future__ import annotations
@@ -101,6 +100,13 @@ class Runner:
         self.timing: dict[str, float] = defaultdict(float)
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
+        self.lora = getattr(model, "mlxb_lora", None)  # mlxb.engine.lora.LoRAContext when --adapters
+
+    def fwd(self, rows, x, cache):
+        """The model over ``rows`` (batch order), each with its LoRA adapter slot (``mlxb.engine.lora``)."""
+        if self.lora is not None:
+            self.lora.set(r.req.adapter for r in rows)
+        return self.model(x, cache=cache)
 
     # ---- prefill ---------------------------------------------------------------------------
     def new_row(self, req: Request) -> Row:
@@ -116,7 +122,7 @@ class Runner:
         if is_last and "double_last_token" in self.faults:
             end = len(ids)  # planted bug: the held-back token is fed here and again below
         if end > start:
-            self.model(mx.array(ids[start:end])[None], cache=row.solo)
+            self.fwd([row], mx.array(ids[start:end])[None], row.solo)
             row.solo = maybe_quantize(row.solo, self.kinds, self.kv, end)  # where mlx-lm's generate_step converts
             mx.eval([c.state for c in row.solo])
             trim_allocator_cache()
@@ -124,7 +130,7 @@ class Runner:
     def first_token(self, row: Row) -> Emitted:
         """Feed the held-back last prompt token (L=1) and sample token 0 on the solo caches."""
         last = mx.array(row.req.prompt_ids[-1:], dtype=mx.uint32)
-        logits = self.model(last[None], cache=row.solo)[:, -1, :]
+        logits = self.fwd([row], last[None], row.solo)[:, -1, :]
         row.solo = maybe_quantize(row.solo, self.kinds, self.kv, row.req.num_prompt_tokens)
         if row.context is not None:
             row.context = mx.concatenate([row.context, last])
@@ -189,7 +195,7 @@ class Runner:
             if max(pad) > 0:
                 for c in caches:
                     c.prepare(lengths=lengths, right_padding=pad)
-            self.model(mx.array([b + [0] * (width - len(b)) for b in bodies]), cache=caches)
+            self.fwd(rows, mx.array([b + [0] * (width - len(b)) for b in bodies]), caches)
             if max(pad) > 0:
                 for c in caches:
                     c.finalize()
@@ -200,7 +206,7 @@ class Runner:
             for i in range(len(rows)):
                 snapshot(i, [ROW_OPS[k].extract(c, i) for k, c in zip(self.kinds, caches)])
         last = mx.array([r.req.prompt_ids[-1] for r in rows], dtype=mx.uint32)
-        logits = self.model(last[:, None], cache=caches)[:, -1, :]
+        logits = self.fwd(rows, last[:, None], caches)[:, -1, :]
         geo = None
         if self.capture is not None and self._geo_layer is not None:
             c = caches[self._geo_layer]
@@ -282,7 +288,7 @@ class Runner:
             for c in self.caches:  # planted bug: one RoPE offset for every row
                 if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
-        logits = self.model(inputs[:, None], cache=self.caches)[:, -1, :]
+        logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]
         if self.kv is not None and not self.merged:  # a lone adopted row converts as generate_step does
             off = next((c.offset for c, k in zip(self.caches, self.kinds) if k == "full"), 0)
             self.caches = maybe_quantize(self.caches, self.kinds, self.kv, int(off))

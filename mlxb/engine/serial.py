@@ -37,6 +37,8 @@ def run_serial(engine, live) -> None:
             if engine.kv_scheme is not None:
                 cache = serial_caches(cache if cache is not None else make_prompt_cache(engine.model), engine.kinds,
                                       engine.kv_scheme)
+            if engine.runner.lora is not None:  # the one row's adapter for every step generate_step runs
+                engine.runner.lora.set([req.adapter])
             gen = generate_step(
                 mx.array(req.prompt_ids[start:], dtype=mx.uint32),
                 engine.model,

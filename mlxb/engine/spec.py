@@ -241,7 +241,7 @@ def verify_step(r, props: list[list[int]]) -> list:
     regs = r.register.tolist()
     fed = [[regs[i]] + p + [regs[i]] * (width - len(p)) for i, p in enumerate(props)]
     x = mx.array(fed, dtype=mx.uint32)
-    logits = r.model(x, cache=r.caches)  # [B, 1 + W, V]
+    logits = r.fwd(r.rows, x, r.caches)  # [B, 1 + W, V]
     lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     choice = mx.argmax(lp_all, axis=-1)
     t1 = time.perf_counter()

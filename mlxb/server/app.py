@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Optional
 
 from starlette.applications import Starlette
@@ -50,6 +51,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
     gw = gateway
     metrics = Metrics()
     names = {gw.model_name} | set(served_names or ())
+    adapter_paths = dict(getattr(getattr(gw.engine.model, "mlxb_lora", None), "paths", {}))
     started = time.time()
 
     def check_auth(request: Request) -> None:
@@ -81,9 +83,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             check_auth(request)
             body = await read_json(request)
             inp, opts = P.parse(body, chat=chat, default_max_tokens=gw.default_max_tokens)
-            if opts["model"] is not None and opts["model"] not in names and opts["model"] != "default_model":
-                raise ModelNotFoundError(f"model {opts['model']!r} is not served here; this server serves "
-                                         f"{sorted(names)} (see GET /v1/models)", param="model")
+            inp.adapter = _adapter(opts)
             loop = asyncio.get_running_loop()
             for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
                 subs.append(gw.submit(inp if i == 0 else _choice_input(inp, i), loop=loop))
@@ -101,6 +101,26 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             return StreamingResponse(sse(subs, cid, model, chat, opts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await collect(subs, cid, model, chat, opts)
+
+    def _adapter(opts) -> Optional[str]:
+        """The request's LoRA adapter: ``model: "base:name"`` (as vLLM lists them) or mlx-lm's ``adapters``."""
+        model, want = opts["model"], opts["adapters"]
+        if model is not None and model not in names and model != "default_model":
+            base, _, name = model.rpartition(":")
+            if base not in names or name not in gw.adapters:
+                raise ModelNotFoundError(f"model {model!r} is not served here; this server serves "
+                                         f"{sorted(names | adapter_ids())} (see GET /v1/models)", param="model")
+            want = want or name
+        if want is not None:
+            by_path = {str(Path(p).expanduser().resolve()): n for n, p in adapter_paths.items()}
+            want = by_path.get(str(Path(want).expanduser().resolve()), want) if want not in gw.adapters else want
+            if want not in gw.adapters:
+                raise ModelNotFoundError(f"adapter {want!r} is not loaded here; loaded: {gw.adapters or 'none'} "
+                                         "(start the server with --adapters NAME=PATH)", param="adapters")
+        return want
+
+    def adapter_ids() -> set:
+        return {f"{gw.model_name}:{a}" for a in gw.adapters}
 
     def observe(out, last_t):
         now = time.perf_counter()
@@ -234,7 +254,9 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         return JSONResponse({"object": "list", "data": [
             {"id": n, "object": "model", "created": int(started), "owned_by": "mlxb",
              # mlx-lm's parser for this chat template's tool calls; None: tools are rendered, calls stay text
-             "tool_parser": gw.tool_format.name if gw.tool_format.on else None} for n in sorted(names)]})
+             "tool_parser": gw.tool_format.name if gw.tool_format.on else None} for n in sorted(names)]
+            + [{"id": a, "object": "model", "created": int(started), "owned_by": "mlxb", "parent": gw.model_name}
+               for a in sorted(adapter_ids())]})
 
     async def health(request: Request):
         if gw.engine.alive:

@@ -11,7 +11,7 @@ from mlxb.errors import MlxbError, ValidationError
 from mlxb.request import RequestOutput, SamplingParams
 
 UNSUPPORTED = {  # field -> what it would do (the 400 names it and says to remove the field)
-    "adapters": "per-request LoRA adapters", "draft_model": "a per-request draft model (start the server with "
+    "draft_model": "a per-request draft model (start the server with "
     "--draft-model)", "functions": "legacy functions (use tools)", "function_call": "legacy function_call (use "
     "tool_choice)", "best_of": "best_of (several candidates, the best returned; n returns them all)",
     "suffix": "suffix (fill-in-the-middle insertion)", "echo": "echo (the prompt repeated in the completion)",
@@ -128,6 +128,7 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     opts = {
         "stream": _get(body, "stream", bool, False),
         "n": n,
+        "adapters": _get(body, "adapters", str, None),  # mlx-lm's field: a loaded adapter's name or folder
         "include_usage": bool(stream_opts.get("include_usage", False)),
         "model": _get(body, "model", str, None),
         "logprobs": want_lp,

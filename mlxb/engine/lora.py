@@ -1,0 +1,148 @@
+"""Many LoRA adapters over one base model, each row of a batch with its own (or none).
+
+Adapters are mlx-lm adapter folders (``adapter_config.json`` + ``adapters.safetensors``, as
+``mlx_lm.lora`` writes them). Every base module an adapter touches becomes one ``MultiLoRALinear``
+holding all adapters' factors stacked (slot i = adapter i; a slot an adapter does not cover is zero).
+Before each forward the engine says which slot each row of the batch uses (``LoRAContext.set``);
+the layer gathers each row's A and B and adds ``scale * (x @ A) @ B`` to the base output, in the
+order and dtype of mlx-lm's ``LoRALinear``. A forward whose rows use no adapter skips all of it, so
+base rows pay nothing. The base weights are shared (plain or quantized ``Linear``s).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxb.errors import ValidationError
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    rank: int
+    scale: float
+    weights: dict  # "<module path>.lora_a|lora_b" -> array
+
+
+def read_adapter(name: str, path: str | Path) -> Adapter:
+    p = Path(path).expanduser()
+    cfg_file, w_file = p / "adapter_config.json", p / "adapters.safetensors"
+    if not cfg_file.exists() or not w_file.exists():
+        raise ValidationError(f"adapter {name!r}: {p} is not an mlx-lm adapter folder (it needs adapter_config.json "
+                              "and adapters.safetensors, as mlx_lm.lora writes them)")
+    cfg = json.loads(cfg_file.read_text())
+    kind = cfg.get("fine_tune_type", "lora")
+    if kind != "lora":
+        raise ValidationError(f"adapter {name!r} is a {kind!r} adapter; only LoRA adapters can be served per row "
+                              "(fuse it into the model with mlx_lm.fuse and serve that folder)")
+    lp = cfg.get("lora_parameters", {})
+    weights = mx.load(str(w_file))
+    ranks = {int(w.shape[-1]) for k, w in weights.items() if k.endswith(".lora_a")}
+    if not ranks:
+        raise ValidationError(f"adapter {name!r}: {w_file} holds no lora_a/lora_b weights")
+    return Adapter(name, str(p), max(ranks), float(lp.get("scale", 20.0)), weights)
+
+
+class LoRAContext:
+    """Which adapter slot each row of the next forward uses (-1: none)."""
+
+    def __init__(self, names: list[str], paths: Optional[dict] = None):
+        self.names = names
+        self.paths = paths or {}  # name -> adapter folder
+        self.ids: Optional[mx.array] = None
+
+    def slot(self, name: Optional[str]) -> int:
+        return -1 if name is None else self.names.index(name)
+
+    def set(self, slots) -> None:
+        slots = list(slots)
+        self.ids = mx.array(slots, dtype=mx.int32) if any(s >= 0 for s in slots) else None
+
+
+class MultiLoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, ctx: LoRAContext, a: mx.array, b: mx.array, scale: mx.array):
+        super().__init__()
+        self.base = base
+        self._ctx = ctx
+        self.lora_a, self.lora_b, self.lora_scale = a, b, scale  # [n, in, r], [n, r, out], [n]
+        self.freeze()
+
+    def __call__(self, x):
+        y = self.base(x)
+        ids = self._ctx.ids
+        if ids is None:
+            return y
+        if ids.shape[0] != x.shape[0]:
+            raise RuntimeError(f"LoRA slots for {ids.shape[0]} rows, forward over {x.shape[0]}")
+        safe = mx.maximum(ids, 0)
+        z = (x @ self.lora_a[safe]) @ self.lora_b[safe]
+        s = mx.where(ids >= 0, self.lora_scale[safe], 0.0).astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
+        return y + (s * z).astype(x.dtype)
+
+
+def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None) -> LoRAContext:
+    """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters."""
+    ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters})
+    modules = dict(model.named_modules())
+    paths = sorted({k.rsplit(".", 1)[0] for a in adapters for k in a.weights if k.endswith(".lora_a")})
+    for a in adapters:
+        if max_rank is not None and a.rank > max_rank:
+            raise ValidationError(f"adapter {a.name!r} has rank {a.rank}, above --max-lora-rank {max_rank}")
+        unknown = [p for p in {k.rsplit(".", 1)[0] for k in a.weights} if p not in modules]
+        if unknown:
+            raise ValidationError(f"adapter {a.name!r} does not fit this model: no module {unknown[0]!r}")
+    r = max(a.rank for a in adapters)
+    swaps = []
+    for path in paths:
+        base = modules[path]
+        if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+            raise ValidationError(f"LoRA on {path} ({type(base).__name__}) is not supported; only Linear layers")
+        out_dim = base.weight.shape[0]
+        in_dim = base.weight.shape[1] * (32 // base.bits if isinstance(base, nn.QuantizedLinear) else 1)
+        dt = base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
+        A = [mx.zeros((in_dim, r), dtype=dt) for _ in adapters]
+        B = [mx.zeros((r, out_dim), dtype=dt) for _ in adapters]
+        for i, ad in enumerate(adapters):
+            if f"{path}.lora_a" in ad.weights:
+                la, lb = ad.weights[f"{path}.lora_a"], ad.weights[f"{path}.lora_b"]
+                A[i] = mx.pad(la, [(0, 0), (0, r - la.shape[1])]) if la.shape[1] < r else la
+                B[i] = mx.pad(lb, [(0, r - lb.shape[0]), (0, 0)]) if lb.shape[0] < r else lb
+        scale = mx.array([a.scale for a in adapters], dtype=mx.float32)
+        swaps.append((path, MultiLoRALinear(base, ctx, mx.stack(A), mx.stack(B), scale)))
+    model.update_modules(tree_unflatten(swaps))
+    mx.eval(model.parameters())
+    model.mlxb_lora = ctx  # the engine's runner finds it here
+    return ctx
+
+
+def build_adapter(base: nn.Module, out: str | Path, rank: int = 8, num_layers: int = -1, scale: float = 20.0,
+                  seed: int = 0, keys: Optional[list[str]] = None) -> Path:
+    """Write a random-weight LoRA adapter for ``base`` in mlx-lm's format (``mlx_lm.tuner.utils.load_adapters``
+    and ``mlx_lm.fuse`` read it). ``lora_b`` is random too (training starts it at zero), so the adapter
+    changes the model's outputs."""
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    n = len(base.layers)
+    num_layers = n if num_layers < 0 else num_layers
+    params = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys:
+        params["keys"] = keys
+    linear_to_lora_layers(base, num_layers, params)
+    mx.random.seed(seed)
+    lora = {k: v for k, v in tree_flatten(base.parameters()) if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    lora = {k: (mx.random.normal(v.shape) * (0.02 if k.endswith("lora_b") else 1.0 / rank ** 0.5)).astype(v.dtype)
+            for k, v in lora.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), lora)
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}, indent=2) + "\n")
+    return out
