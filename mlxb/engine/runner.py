@@ -35,7 +35,7 @@ from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.grammar import apply_row_masks
-from mlxb.engine.sampler import RowSampler
+from mlxb.engine.sampler import RowSampler, sample_rows
 from mlxb.engine.spec import RowSpec, row_spec, setup, spec_step
 from mlxb.request import Request, TokenLogprob
 
@@ -211,7 +211,7 @@ class Runner:
         if self.capture is not None and self._geo_layer is not None:
             c = caches[self._geo_layer]
             geo = [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
-        toks_arr, lps = self._sample_rows(rows, last, logits)
+        toks_arr, lps = sample_rows(rows, last, logits)
         for r in rows:
             r.solo = []
         mx.eval(toks_arr, lps)  # one sync for the whole cohort
@@ -260,19 +260,6 @@ class Runner:
         return caches if self.kv is None else quantize_now(caches, self.kinds, self.kv)
 
     # ---- decode ----------------------------------------------------------------------------
-    @staticmethod
-    def _sample_rows(rows: list[Row], inputs: mx.array, logits: mx.array, masked: bool = False) -> tuple[mx.array, list]:
-        """Per-row processors and sampler over batch ``logits`` ([n, V]) whose step consumed ``inputs``
-        ([n]). Returns the sampled tokens ([n]) and each row's logprobs ([1, V])."""
-        toks, lps = [], []
-        for i, r in enumerate(rows):
-            if r.context is not None:
-                r.context = mx.concatenate([r.context, inputs[i : i + 1]])
-            tok, lp = r.sampler(r.context, logits[i : i + 1], masked)
-            toks.append(tok.reshape(1))
-            lps.append(lp)
-        return mx.concatenate(toks), lps
-
     def _needs_vectors(self, row: Row) -> bool:
         return self.capture is not None or not row.plain
 
@@ -309,7 +296,7 @@ class Runner:
             sampled = mx.argmax(logprobs, axis=-1)
             new_pending = [logprobs[i : i + 1] for i in range(len(rows))] if self.capture else [True] * len(rows)
         else:
-            sampled, lps = self._sample_rows(rows, inputs, logits, masked=bool(cons))
+            sampled, lps = sample_rows(rows, inputs, logits, masked=bool(cons))
             new_pending = [lp if self._needs_vectors(r) else True for r, lp in zip(rows, lps)]
         t1 = time.perf_counter()
         mx.async_eval(sampled, [p for p in new_pending if p is not True])

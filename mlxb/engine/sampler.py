@@ -93,3 +93,16 @@ class RowSampler:
             logits = self.constraint.apply(logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sample(logprobs), logprobs
+
+
+def sample_rows(rows: list, inputs: mx.array, logits: mx.array, masked: bool = False) -> tuple[mx.array, list]:
+    """Per-row processors and sampler over batch ``logits`` ([n, V]) whose step consumed ``inputs``
+    ([n]). Returns the sampled tokens ([n]) and each row's logprobs ([1, V])."""
+    toks, lps = [], []
+    for i, r in enumerate(rows):
+        if r.context is not None:
+            r.context = mx.concatenate([r.context, inputs[i : i + 1]])
+        tok, lp = r.sampler(r.context, logits[i : i + 1], masked)
+        toks.append(tok.reshape(1))
+        lps.append(lp)
+    return mx.concatenate(toks), lps
