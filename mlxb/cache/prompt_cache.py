@@ -122,14 +122,20 @@ class PromptCache:
         self.kinds = list(kinds)
         self.trimmable = all(k in ("full", "latent") for k in self.kinds)
         self.fingerprint = model_fingerprint(model)
-        self.namespace = f"{self.fingerprint}|{model_dtype(model)}|kv={kv_scheme}|adapter={adapter}"
+        base = f"{self.fingerprint}|{model_dtype(model)}|kv={kv_scheme}|adapter="
+        self.namespace = base + adapter
+        # --adapters: each LoRA adapter's rows reuse only their own adapter's KV (slot i -> namespace i)
+        lora = getattr(model, "mlxb_lora", None)
+        self.adapter_namespaces = [f"{base}{n}@{d}" for n, d in zip(lora.names, lora.digests)] if lora else []
         self.ram = PrefixCache(max_bytes, max_entries, on_evict=self._spill)
         self.memory_limit = memory_limit
         self.num_pressure_evictions = 0
-        self.ram.add_namespace(self.namespace, self.trimmable)
+        for ns in [self.namespace, *self.adapter_namespaces]:
+            self.ram.add_namespace(ns, self.trimmable)
         self.disk: Optional[DiskTier] = None
         if disk_dir is not None and disk_bytes > 0:
-            self.disk = DiskTier(disk_dir, disk_bytes, trimmable={self.namespace: self.trimmable},
+            self.disk = DiskTier(disk_dir, disk_bytes,
+                                 trimmable={ns: self.trimmable for ns in [self.namespace, *self.adapter_namespaces]},
                                  save=write_payload, prepare=prepare_payload)
         self._shapes = self._probe_shapes(model)
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "cached_tokens": 0, "inserts": 0,
@@ -150,11 +156,16 @@ class PromptCache:
         return (c.keys.shape[1], c.keys.shape[3], c.values.shape[3], str(c.keys.dtype))
 
     # ---- lookups -----------------------------------------------------------------------------
-    def lookup(self, tokens, limit: int) -> Optional[PrefixMatch]:
+    def ns(self, adapter: int = -1) -> str:
+        """The namespace of rows with LoRA adapter slot ``adapter`` (-1: the base model)."""
+        return self.namespace if adapter < 0 else self.adapter_namespaces[adapter]
+
+    def lookup(self, tokens, limit: int, adapter: int = -1) -> Optional[PrefixMatch]:
         """Longest usable cached prefix of ``tokens[:limit]`` (RAM first, then SSD)."""
         self.counters["lookups"] += 1
-        best = self.ram.match(self.namespace, tokens, limit)
-        far = self.disk.match(self.namespace, tokens, limit) if self.disk is not None else None
+        ns = self.ns(adapter)
+        best = self.ram.match(ns, tokens, limit)
+        far = self.disk.match(ns, tokens, limit) if self.disk is not None else None
         restored = None
         if far is not None and (best is None or far.num_tokens > best.num_tokens):
             restored = self._restore(far)  # counts ssd_hits; None if the file was bad
@@ -174,7 +185,7 @@ class PromptCache:
         t0 = time.perf_counter()
         entry = far.entry
         if not isinstance(entry.layers, (str, Path)):  # still queued for writing: its RAM layers
-            ram = self.ram.insert(self.namespace, entry.tokens, entry.layers,
+            ram = self.ram.insert(entry.namespace, entry.tokens, entry.layers,
                                   sum(snap.layer_nbytes(c) for c in entry.layers))
             self.counters["ssd_hits"] += 1
             return PrefixMatch(ram or entry, far.num_tokens)
@@ -192,8 +203,8 @@ class PromptCache:
             self.disk.counters["load_s"] += time.perf_counter() - t0
         self.disk.counters["restores"] += 1
         self.counters["ssd_hits"] += 1
-        ram = self.ram.insert(self.namespace, entry.tokens, layers, sum(snap.layer_nbytes(c) for c in layers))
-        return PrefixMatch(ram or PrefixEntry(self.namespace, entry.tokens, layers, 0), far.num_tokens)
+        ram = self.ram.insert(entry.namespace, entry.tokens, layers, sum(snap.layer_nbytes(c) for c in layers))
+        return PrefixMatch(ram or PrefixEntry(entry.namespace, entry.tokens, layers, 0), far.num_tokens)
 
     def _check_layers(self, layers: list, num_tokens: int) -> None:
         if len(layers) != len(self.kinds):
@@ -218,23 +229,24 @@ class PromptCache:
                 for c, k in zip(match.entry.layers, self.kinds)]
 
     # ---- writes ------------------------------------------------------------------------------
-    def put(self, tokens, layers: list, *, copy: bool = True) -> Optional[PrefixEntry]:
+    def put(self, tokens, layers: list, *, copy: bool = True, adapter: int = -1) -> Optional[PrefixEntry]:
         """Snapshot single-row ``layers`` (holding exactly ``tokens``) into the RAM tier."""
         if not tokens:
             return None
-        found = self.ram.match(self.namespace, tokens, touch=False)
+        ns = self.ns(adapter)
+        found = self.ram.match(ns, tokens, touch=False)
         if found is not None and found.num_tokens == len(tokens) and (
                 self.trimmable or found.entry.num_tokens == len(tokens)):
-            self.ram.match(self.namespace, tokens)  # already covered: refresh its LRU slot
+            self.ram.match(ns, tokens)  # already covered: refresh its LRU slot
             return found.entry
         if copy:
             layers = [snap.snapshot(c, k) for c, k in zip(layers, self.kinds)]
         mx.eval([snap.arrays(c) for c in layers])
         self.counters["inserts"] += 1
         nbytes = sum(snap.layer_nbytes(c) for c in layers)
-        entry = self.ram.insert(self.namespace, tokens, layers, nbytes)
+        entry = self.ram.insert(ns, tokens, layers, nbytes)
         # over the RAM cap alone (already handed to the SSD tier): still usable by this iteration's rows
-        return entry if entry is not None else PrefixEntry(self.namespace, tuple(tokens), layers, nbytes)
+        return entry if entry is not None else PrefixEntry(ns, tuple(tokens), layers, nbytes)
 
     def _spill(self, entry: PrefixEntry, block: bool = False) -> None:
         if self.disk is not None:

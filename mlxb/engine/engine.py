@@ -385,7 +385,7 @@ class Engine:
                 keep = [i for i, row in enumerate(r.rows) if row.req.request_id not in done]
                 gone = [i for i, row in enumerate(r.rows) if self.reuse.keeps(row.req, done.get(row.req.request_id))]
                 for row, layers, fed in r.extract_rows(gone):
-                    self.reuse.put_finished(row.req.prompt_ids + row.tokens, layers, fed)
+                    self.reuse.put_finished(row.req.prompt_ids + row.tokens, layers, fed, row.req.adapter)
                 r.filter(keep)
                 for rid, status in done.items():
                     s.on_finished(rid, status)

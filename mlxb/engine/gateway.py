@@ -161,10 +161,8 @@ class Gateway:
                                   param="num_draft_tokens")
         ids = self.tokenize(inp)
         slot = self.adapter_slot(inp.adapter)
-        # NOTE: the prompt cache holds base-model KV only; a row with an adapter neither reuses nor stores
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
-                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt and slot < 0, num_draft_tokens=k,
-                      adapter=slot)
+                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot)
         req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)

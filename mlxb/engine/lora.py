@@ -30,6 +30,7 @@ class Adapter:
     rank: int
     scale: float
     weights: dict  # "<module path>.lora_a|lora_b" -> array
+    digest: str = ""  # sha256 of adapters.safetensors (names the adapter's prompt-cache namespace)
 
 
 def read_adapter(name: str, path: str | Path) -> Adapter:
@@ -48,15 +49,19 @@ def read_adapter(name: str, path: str | Path) -> Adapter:
     ranks = {int(w.shape[-1]) for k, w in weights.items() if k.endswith(".lora_a")}
     if not ranks:
         raise ValidationError(f"adapter {name!r}: {w_file} holds no lora_a/lora_b weights")
-    return Adapter(name, str(p), max(ranks), float(lp.get("scale", 20.0)), weights)
+    import hashlib
+
+    digest = hashlib.sha256(w_file.read_bytes()).hexdigest()[:16]
+    return Adapter(name, str(p), max(ranks), float(lp.get("scale", 20.0)), weights, digest)
 
 
 class LoRAContext:
     """Which adapter slot each row of the next forward uses (-1: none)."""
 
-    def __init__(self, names: list[str], paths: Optional[dict] = None):
+    def __init__(self, names: list[str], paths: Optional[dict] = None, digests: Optional[list[str]] = None):
         self.names = names
         self.paths = paths or {}  # name -> adapter folder
+        self.digests = digests or [""] * len(names)
         self.ids: Optional[mx.array] = None
 
     def slot(self, name: Optional[str]) -> int:
@@ -90,7 +95,7 @@ class MultiLoRALinear(nn.Module):
 
 def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None) -> LoRAContext:
     """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters."""
-    ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters})
+    ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
     modules = dict(model.named_modules())
     paths = sorted({k.rsplit(".", 1)[0] for a in adapters for k in a.weights if k.endswith(".lora_a")})
     for a in adapters:

@@ -70,7 +70,7 @@ def prefill_one(eng, chunk) -> None:
         eng.trace.mark("join")
     else:  # finished at token 0: never joins
         if eng.reuse.keeps(row.req, status):
-            eng.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens)
+            eng.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens, row.req.adapter)
         eng.scheduler.on_finished(chunk.request_id, status)
 
 def prefill_cohort(eng, chunks) -> None:

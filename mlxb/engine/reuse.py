@@ -47,7 +47,7 @@ class PrefixReuse:
 
     def lookup(self, req: Request) -> int:
         """Cached prompt tokens usable by ``req`` (at most all but the last); held until seeded."""
-        m = self.cache.lookup(req.prompt_ids, req.num_prompt_tokens - 1)
+        m = self.cache.lookup(req.prompt_ids, req.num_prompt_tokens - 1, req.adapter)
         if m is None:
             return 0
         self.hits[req.request_id] = m
@@ -73,7 +73,7 @@ class PrefixReuse:
         if pc.trimmable and not (chunk.is_last or chunk.shared):
             return
         key = tuple(row.req.prompt_ids[:chunk.end])
-        entry = pc.put(key, row.solo)
+        entry = pc.put(key, row.solo, adapter=row.req.adapter)
         if chunk.shared:
             self.fresh[key] = entry
         self.respect_budget()
@@ -88,7 +88,7 @@ class PrefixReuse:
 
         def put(i: int, layers: list) -> None:
             if rows[i].req.cache_prompt and rows[i].req.num_prompt_tokens > 1:
-                pc.put(rows[i].req.prompt_ids[:-1], layers)
+                pc.put(rows[i].req.prompt_ids[:-1], layers, adapter=rows[i].req.adapter)
                 self.respect_budget()
 
         return put
@@ -98,7 +98,7 @@ class PrefixReuse:
         return (self.cache is not None and req.cache_prompt
                 and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH))
 
-    def put_finished(self, tokens: list, layers: list, fed: int) -> None:
+    def put_finished(self, tokens: list, layers: list, fed: int, adapter: int = -1) -> None:
         """Store a finished row's caches under the tokens they hold (prompt + fed output)."""
         pc = self.cache
         if fed > len(tokens):  # a lookahead token we never read: trim it where the kinds allow
@@ -107,7 +107,7 @@ class PrefixReuse:
             for c in layers:
                 c.trim(fed - len(tokens))
             fed = len(tokens)
-        pc.put(tokens[:fed], layers)
+        pc.put(tokens[:fed], layers, adapter=adapter)
         self.respect_budget()
 
     # ---- memory ------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class PrefixReuse:
         body = len(ids) - 1
         cache, pos = make_prompt_cache(eng.model), 0
         if not row.sampler.processors:
-            m = pc.lookup(ids, body)
+            m = pc.lookup(ids, body, req.adapter)
             if m is not None:
                 cache, pos = pc.lend(m), m.num_tokens
                 req.cached_tokens = pos
@@ -149,7 +149,7 @@ class PrefixReuse:
             trim_allocator_cache()
             pos = end
             if not pc.trimmable or pos == body:
-                pc.put(ids[:pos], cache)
+                pc.put(ids[:pos], cache, adapter=req.adapter)
                 self.respect_budget()
         return cache, body
 

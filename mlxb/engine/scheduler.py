@@ -135,7 +135,7 @@ class Scheduler:
         at = None
         for i, c in enumerate(out.prefills):
             lead = self._prefilling_req(c.request_id)
-            if not lead.cache_prompt:
+            if not lead.cache_prompt or lead.adapter != req.adapter:  # KV is per LoRA adapter
                 continue
             n = common_prefix(req.prompt_ids, lead.prompt_ids, min(req.num_prompt_tokens - 1, c.end))
             if n > max(best, c.start) and n - cached >= self.min_shared:

@@ -66,7 +66,8 @@ def run_serial(engine, live) -> None:
                 if status is not None:
                     break
             if cache is not None and engine.reuse.keeps(req, status):  # holds prompt + every emitted token
-                engine.reuse.put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens))
+                engine.reuse.put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens),
+                                          req.adapter)
         except Exception as e:
             engine.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
     engine._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
