@@ -76,7 +76,7 @@ def build_adapter(
 ) -> None:
     """Write a random-weight LoRA adapter in mlx-lm's format (mlx_lm.generate --adapter-path, mlx_lm.fuse and
     mlxb serve --adapters read it)."""
-    from mlxb.engine.lora import build_adapter as write
+    from mlxb.models.adapters import build_adapter as write
     from mlxb.models.registry import load_model
 
     with console.status(f"building adapter {name} ..."):

@@ -26,10 +26,19 @@ def main(argv: list[str]) -> int:
     for i, case in enumerate(cases):
         mkey = (case.model, case.dtype)
         try:
-            if mkey not in models:
+            src = loads.get(f"{case.model}|{case.dtype}", (case.model, case.dtype))
+            if mkey not in models or case.lora:  # adapters change the model: a fresh one per lora case
                 models.clear()  # one model resident at a time
-                models[mkey] = load_model(*loads.get(f"{case.model}|{case.dtype}", (case.model, case.dtype)))[:2]
+                models[mkey] = load_model(*src)[:2]
+                if case.lora:
+                    from mlxb.models.adapters import ensure_adapters
+                    from mlxb.oracle.lora import attach
+
+                    models[mkey][0].oracle_lora = attach(models[mkey][0], ensure_adapters(*src, case.model,
+                                                                                          case.lora["adapters"]))
             res = run_case(*models[mkey][:1], case, tokenizer=models[mkey][1])
+            if case.lora:
+                models.clear()
         except Exception as e:  # one case the backend or model cannot run fails alone, with its reason
             res = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300], "records": None}
         out.append({"digest": case.digest(), **res})

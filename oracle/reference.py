@@ -65,6 +65,12 @@ class _Grammar:
         return tok, lp
 
 
+def _use_lora(model, case: Case, rows: list[int]) -> None:
+    """``lora`` case: the adapter slot of each row of the next forward (oracle/lora.py)."""
+    if case.lora:
+        model.oracle_lora.slots = [case.lora["rows"][r] for r in rows]
+
+
 def record(token: int, logprobs: mx.array, geo=None) -> dict:
     return step_record(token, np.array(logprobs.reshape(-1).astype(mx.float32)), geo)
 
@@ -109,6 +115,7 @@ def _cohort_prefill(model, case: Case, rows: list[int], prompts: dict, caches: d
     """mlx-lm's own PromptProcessingBatch over the uncached prompt bodies (each row's caches hold its
     cached prefix, or nothing), then one [n, 1] step. Snapshots the plan asks for at the body end are
     the batch's own ``extract``."""
+    _use_lora(model, case, rows)
     ppb = PromptProcessingBatch(model, list(rows), [caches[r] for r in rows], prefill_step_size=case.prefill_chunk)
     ppb.prompt([prompts[r][starts[r]:-1] for r in rows])
     if case.kv:  # every body has run: convert before the held-back step (the single-stream rule)
@@ -195,6 +202,7 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
                 continue
             if r not in solo:
                 solo[r] = _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model)
+            _use_lora(model, case, [r])
             if ch.end > ch.start:
                 model(mx.array(prompt(r)[ch.start : ch.end])[None], cache=solo[r])
                 if case.kv:  # generate_step converts after each prefill chunk
@@ -243,6 +251,7 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
         if it.forward:
             assert batch == it.forward, (batch, it.forward)
             inputs = mx.array([last_tok[r] for r in batch], dtype=mx.uint32)[:, None]
+            _use_lora(model, case, batch)
             logits = model(inputs, cache=caches)[:, -1, :]
             if case.kv and not merged:  # a lone row converts after each step, as generate_step does
                 caches = convert(caches, case.kv, next(int(c.offset) for c in caches if hasattr(c, "offset")))

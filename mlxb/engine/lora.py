@@ -18,7 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_unflatten
 
 from mlxb.errors import ValidationError
 
@@ -126,28 +126,3 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     mx.eval(model.parameters())
     model.mlxb_lora = ctx  # the engine's runner finds it here
     return ctx
-
-
-def build_adapter(base: nn.Module, out: str | Path, rank: int = 8, num_layers: int = -1, scale: float = 20.0,
-                  seed: int = 0, keys: Optional[list[str]] = None) -> Path:
-    """Write a random-weight LoRA adapter for ``base`` in mlx-lm's format (``mlx_lm.tuner.utils.load_adapters``
-    and ``mlx_lm.fuse`` read it). ``lora_b`` is random too (training starts it at zero), so the adapter
-    changes the model's outputs."""
-    from mlx_lm.tuner.utils import linear_to_lora_layers
-
-    n = len(base.layers)
-    num_layers = n if num_layers < 0 else num_layers
-    params = {"rank": rank, "scale": scale, "dropout": 0.0}
-    if keys:
-        params["keys"] = keys
-    linear_to_lora_layers(base, num_layers, params)
-    mx.random.seed(seed)
-    lora = {k: v for k, v in tree_flatten(base.parameters()) if k.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
-    lora = {k: (mx.random.normal(v.shape) * (0.02 if k.endswith("lora_b") else 1.0 / rank ** 0.5)).astype(v.dtype)
-            for k, v in lora.items()}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "adapters.safetensors"), lora)
-    (out / "adapter_config.json").write_text(json.dumps(
-        {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": params}, indent=2) + "\n")
-    return out

@@ -41,7 +41,7 @@ from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
-          "grammar_one_step_late", "kv_stale_scale")
+          "grammar_one_step_late", "kv_stale_scale", "lora_shift")
 
 
 @dataclass
@@ -105,7 +105,8 @@ class Runner:
     def fwd(self, rows, x, cache):
         """The model over ``rows`` (batch order), each with its LoRA adapter slot (``mlxb.engine.lora``)."""
         if self.lora is not None:
-            self.lora.set(r.req.adapter for r in rows)
+            slots = [r.req.adapter for r in rows]
+            self.lora.set(slots[1:] + slots[:1] if "lora_shift" in self.faults else slots)  # planted: shifted by one
         return self.model(x, cache=cache)
 
     # ---- prefill ---------------------------------------------------------------------------

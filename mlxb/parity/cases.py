@@ -7,8 +7,8 @@ import hashlib
 
 import numpy as np
 
-from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, PREFIX_TRIMMABLE, QUANT_GROUP, Case, RowSpec,
-                                  plan)
+from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, LORA_ADAPTERS, PREFIX_TRIMMABLE, QUANT_GROUP,
+                                  Case, RowSpec, plan)
 
 
 class Pool:
@@ -80,6 +80,10 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "grammar", b, seed, j.rows, j.prefill_chunk, j.join_full,
                     grammar={"regex": GRAMMAR_REGEX, "rows": [r for r in GRAMMAR_ROWS if r < b]})
+    elif case == "lora":  # the join case's rows, adapters 0, none, 1, 0, ... (rows of three kinds in one batch)
+        j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
+        return Case(model, dtype, "lora", b, seed, j.rows, j.prefill_chunk, j.join_full,
+                    lora={"adapters": LORA_ADAPTERS, "rows": [(0, -1, 1)[i % 3] for i in range(len(j.rows))]})
     elif case == "quant":  # the join case's rows (staggered joins, retirements, filters) with quantized KV
         j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "quant", b, seed, j.rows, 16, j.join_full,

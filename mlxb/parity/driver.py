@@ -58,7 +58,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
             for i, spec in enumerate(case.rows):
                 if spec.arrive == k:
                     prompt = case.resolve(i, {r: [x["t"] for x in v] for r, v in records.items()})
-                    req = Request(f"r{i}", prompt, spec.max_tokens, SamplingParams(), ignore_eos=True)
+                    req = Request(f"r{i}", prompt, spec.max_tokens, SamplingParams(), ignore_eos=True,
+                                  adapter=case.lora["rows"][i] if case.lora else -1)
                     if case.regex(i):
                         req.constraint = grammars.constraint(grammars.from_regex(case.regex(i), "regex"), "regex")
                     reqs[i] = req

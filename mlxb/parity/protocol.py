@@ -42,7 +42,8 @@ from typing import Optional
 
 import numpy as np
 
-CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant")
+CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant",
+         "lora")
 # grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
 # where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
 # 180 characters, so every row still produces exactly max_tokens tokens and the plan is the join case's; the
@@ -52,6 +53,8 @@ GRAMMAR_ROWS = (0, 2)
 # prefix: every tiny preset; True where every layer is full attention / latent (reuse at any length)
 PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
                     "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
+# lora: the join case's rows, each with adapter 0, none, 1, 0, ... (random-weight adapters built from LORA_ADAPTERS)
+LORA_ADAPTERS = [{"seed": 1, "rank": 8, "num_layers": -1}, {"seed": 2, "rank": 4, "num_layers": 1}]
 # ring, ssm and latent run where the model has such layers, quant where every layer is full attention
 # (``skip_reason``); the rest run on every batchable model.
 # quant (--kv-bits; presets whose every layer is full attention): the join case's rows with quantized KV,
@@ -88,6 +91,8 @@ class Case:
     grammar: Optional[dict] = None
     # quantized KV: {"bits": int, "group_size": int, "start": int} (mlx-lm's kv_bits, kv_group_size, quantized_kv_start)
     kv: Optional[dict] = None
+    # LoRA adapters per row: {"adapters": [{"seed", "rank", "num_layers"}, ...], "rows": [slot per row, -1: base]}
+    lora: Optional[dict] = None
 
     @property
     def key(self) -> str:
@@ -101,6 +106,8 @@ class Case:
             del d["grammar"]
         if d["kv"] is None:
             del d["kv"]
+        if d["lora"] is None:
+            del d["lora"]
         return d
 
     def regex(self, r: int) -> Optional[str]:

@@ -40,6 +40,7 @@ class Target:
     trimmable: Optional[bool] = None
     shown: str = ""  # what the user typed
     head_dim: int = 64
+    lora_ok: bool = True  # every module a LoRA adapter would take is a Linear (no experts, no embeddings)
 
     def loads(self) -> Optional[dict]:
         """What to load for this target's cases (``run_oracle`` / ``run_ours``)."""
@@ -59,7 +60,12 @@ def _head_dim(m) -> int:
     return 64
 
 
-def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list], int, int]:
+def _lora_ok(m) -> bool:
+    other = ("SwitchLinear", "QuantizedSwitchLinear", "Embedding", "QuantizedEmbedding")
+    return not any(type(x).__name__ in other for layer in getattr(m, "layers", []) for _, x in layer.named_modules())
+
+
+def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list], int, int, bool]:
     """Layer kinds, window, ordinary token ids, embedding width and attention head size of a model
     (weights stay lazy)."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -74,7 +80,7 @@ def _probe(source: str, dtype: Optional[str]) -> tuple[tuple, int, Optional[list
     width = int(m.model.embed_tokens.weight.shape[0]) if hasattr(getattr(m, "model", None), "embed_tokens") else len(hf)
     special = set(getattr(hf, "all_special_ids", []) or [])
     ids = [i for i in range(min(width, len(hf))) if i not in special]
-    return kinds, min(sizes) if sizes else 64, ids, width, _head_dim(m)
+    return kinds, min(sizes) if sizes else 64, ids, width, _head_dim(m), _lora_ok(m)
 
 
 def target(model: str, dtype: Optional[str]) -> Target:
@@ -95,9 +101,10 @@ def target(model: str, dtype: Optional[str]) -> Target:
     cfg = _config(path)
     if spec.kind == "preset":
         native, dt = PRESETS[spec.source].dtype, spec.dtype or PRESETS[spec.source].dtype
-        kinds, window, _, _, hd = _probe(spec.source, dt)
+        kinds, window, _, _, hd, lora_ok = _probe(spec.source, dt)
         return Target(spec.name, dt, goldens.label(spec.name, dt, native), int(cfg.get("vocab_size", 8192)),
-                      int(cfg.get("sliding_window") or window), kinds, (spec.source, dt), shown=model, head_dim=hd)
+                      int(cfg.get("sliding_window") or window), kinds, (spec.source, dt), shown=model, head_dim=hd,
+                      lora_ok=lora_ok)
     q = cfg.get("quantization") or cfg.get("quantization_config")
     native = safetensors_float_dtype(path) or cfg.get("torch_dtype") or cfg.get("dtype")
     if native not in goldens.SHORT:
@@ -107,12 +114,12 @@ def target(model: str, dtype: Optional[str]) -> Target:
         raise ValidationError(f"--dtype does not apply to {model}: its weights are {q.get('bits', '?')}-bit quantized "
                               f"(scales in {native}) and parity runs them as stored; leave --dtype out")
     cast = want if want not in (None, native) else None
-    kinds, window, ids, width, hd = _probe(str(path), cast)
+    kinds, window, ids, width, hd, lora_ok = _probe(str(path), cast)
     base = f"{cfg.get('model_type', 'model')}{'-q%s' % q.get('bits') if q else ''}-{folder_fingerprint(path)[:12]}"
     dt = cast or native
     trim = all(k in ("full", "latent") for k in kinds)
     return Target(base, dt, goldens.label(base, dt, native), width, window, kinds, (str(path), cast), ids, trim,
-                  shown=model, head_dim=hd)
+                  shown=model, head_dim=hd, lora_ok=lora_ok)
 
 
 def _quant_backend(t: Target) -> Optional[str]:
@@ -142,6 +149,8 @@ def skipped(t: Target, names: Optional[list[str]] = None) -> dict[str, str]:
     out = {n: skip_reason(n, t.kinds) for n in (names or CASES)}
     if "quant" in out and out["quant"] is None:
         out["quant"] = _quant_backend(t)
+    if "lora" in out and out["lora"] is None and not t.lora_ok:
+        out["lora"] = "LoRA on mixture-of-experts or embedding layers is not served (only Linear layers take adapters)"
     return {n: why for n, why in out.items() if why}
 
 
@@ -188,11 +197,20 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
     out = []
     for i, c in enumerate(cases):
         try:
-            if (c.model, c.dtype) not in loaded:
+            src = (loads or {}).get(f"{c.model}|{c.dtype}", (c.model, c.dtype))
+            if (c.model, c.dtype) not in loaded or c.lora:  # adapters change the model: a fresh one per case
                 loaded.clear()
-                m, tok, _, _ = load_model(*(loads or {}).get(f"{c.model}|{c.dtype}", (c.model, c.dtype)))
-                loaded[(c.model, c.dtype)] = (m, tok)
-            m, tok = loaded[(c.model, c.dtype)]
+                m, tok, _, _ = load_model(*src)
+                if c.lora:
+                    from mlxb.engine.lora import install, read_adapter
+                    from mlxb.models.adapters import ensure_adapters
+
+                    folders = ensure_adapters(*src, c.model, c.lora["adapters"])
+                    install(m, [read_adapter(f"a{i}", f) for i, f in enumerate(folders)])
+                else:
+                    loaded[(c.model, c.dtype)] = (m, tok)
+            else:
+                m, tok = loaded[(c.model, c.dtype)]
             out.append(run_engine(m, tok, c, faults))
         except Exception as e:  # the case fails alone; the others still run
             out.append({"records": {}, "schedule_mismatch": None, "error": f"{type(e).__name__}: {e}"[:300]})

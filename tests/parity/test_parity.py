@@ -56,8 +56,8 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     assert out["ok"] and all(x["ok"] for x in res)
     live = [x for x in res if x["against"] == "live"]
     gold = [x for x in res if x["against"].startswith("golden")]
-    assert len(live) == len(gold) == 432  # 6 presets x (7 general + special + prefix) cases (+ quant on 2) x B=1..4 x 2 dtypes
-    assert sum(x["steps"] for x in live) == 12036  # coverage: row-steps incl. the burst, prefix, grammar and quant cases
+    assert len(live) == len(gold) == 480  # 6 presets x (8 general + special + prefix) cases (+ quant on 2) x B=1..4 x 2 dtypes
+    assert sum(x["steps"] for x in live) == 13476  # coverage: row-steps incl. the burst, prefix, grammar, quant, lora cases
     assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
     mine = ROOT / "goldens" / out["machine_key"]
     for x in gold:  # this machine's file is used wherever one is committed, the shared layer otherwise
@@ -69,7 +69,7 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
 @pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
                                         ("double_last_token", "static"), ("always_aligned", "join"),
                                         ("prefix_off_by_one", "prefix"), ("grammar_one_step_late", "grammar"),
-                                        ("kv_stale_scale", "quant")])
+                                        ("kv_stale_scale", "quant"), ("lora_shift", "lora")])
 def test_negative_control_fails(fault, case):
     r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", case, "--against", "both", "--plant-fault", fault)
     assert r.returncode == 1, r.stdout

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from mlxb.engine.lora import build_adapter
+from mlxb.models.adapters import build_adapter
 from mlxb.models import load_model
 from tests.server.conftest import LiveServer
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mlxb.engine.engine import Engine
-from mlxb.engine.lora import build_adapter, install, read_adapter
+from mlxb.engine.lora import install, read_adapter
+from mlxb.models.adapters import build_adapter
 from mlxb.engine.stream import OutputStream
 from mlxb.models import load_model
 from mlxb.request import Request, SamplingParams
