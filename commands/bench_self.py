@@ -119,3 +119,41 @@ def kv(
                   f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
     console.print(t)
     _write(res, "kv", spec, out)
+
+
+@app.command("lora")
+@cli_errors
+def lora_bench(
+    model: ModelOpt = None,
+    adapters: int = typer.Option(4, "--adapters", min=1, max=64, help="Random-weight adapters mixed in the batch."),
+    rank: int = typer.Option(8, "--rank", min=1, max=256),
+    batches: str = typer.Option("8,32", "--batches"),
+    context: int = typer.Option(256, "--context", min=1),
+    gen: int = typer.Option(64, "--gen", min=2),
+    repeats: int = typer.Option(2, "--repeats", min=1),
+    out: Optional[Path] = typer.Option(None, "--out"),
+) -> None:
+    """LoRA per row on our engine: N adapters mixed vs the base, one adapter vs mlx-lm's fused model (ratios)."""
+    from mlxb.bench.lora import run
+    from mlxb.errors import ValidationError
+    from mlxb.models.registry import model_path, resolve_model
+
+    try:
+        bs = tuple(int(b) for b in batches.split(","))
+    except ValueError:
+        raise ValidationError("--batches takes comma-separated integers, e.g. 8,32") from None
+    spec = resolve_model(model)
+    source = spec.source if spec.kind == "preset" else str(model_path(spec))
+    with console.status("benchmarking ...") as status:
+        res = run(source, adapters=adapters, rank=rank, batches=bs, context=context, gen=gen, repeats=repeats,
+                  progress=lambda s: status.update(f"benchmarking: {s}"))
+    t = Table(title=f"decode tok/s, {adapters} LoRA adapters (rank {rank}, random weights), {context}-token rows, "
+                    f"same run — {spec.name}")
+    for c in ("B", "base", "mixed", "one", "fused", "mixed/base (min med max)", "one/fused (min med max)"):
+        t.add_column(c)
+    for r in res["summary"]:
+        t.add_row(str(r["B"]), *(f"{r[k + '_tps']:.1f}" for k in ("base", "mixed", "one", "fused")),
+                  " ".join(f"{r['mixed_vs_base_' + f]:.3f}" for f in ("min", "median", "max")),
+                  " ".join(f"{r['one_vs_fused_' + f]:.3f}" for f in ("min", "median", "max")))
+    console.print(t)
+    _write(res, "lora", spec, out)

@@ -61,3 +61,23 @@ def test_bench_spec_writes_labelled_ratios_and_rejects_bad_batches(tmp_path):
     assert [(s["regime"], s["B"]) for s in res["summary"]] == [("random", 1)] and res["summary"][0]["plain_tps"] > 0
     bad = runner.invoke(app, ["bench", "spec", "--batches", "x"])
     assert bad.exit_code != 0 and "comma-separated" in bad.output
+
+
+def test_bench_lora_writes_labelled_ratios_and_build_adapter_writes_mlx_lm_format(tmp_path):
+    out = tmp_path / "lora.json"
+    r = runner.invoke(app, ["bench", "lora", "-m", "tiny-llama", "--adapters", "2", "--batches", "2", "--context", "16",
+                            "--gen", "8", "--repeats", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    (s,) = res["summary"]
+    assert res["labels"]["model"] == "tiny-llama" and s["B"] == 2 and s["mixed_tps"] > 0 and s["fused_tps"] > 0
+    ad = tmp_path / "coder"
+    r = runner.invoke(app, ["models", "build-adapter", "coder", "--rank", "4", "--out", str(ad)])
+    assert r.exit_code == 0, r.output
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mlxb.models import load_model
+
+    m, *_ = load_model("tiny-llama")
+    load_adapters(m, str(ad))  # mlx-lm reads it
+    assert json.loads((ad / "adapter_config.json").read_text())["lora_parameters"]["rank"] == 4

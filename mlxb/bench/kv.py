@@ -35,7 +35,7 @@ class _Timed(OutputStream):
         super().put(item, outbox)
 
 
-def _decode_tps(engine: Engine, prompts: list[list[int]], gen: int, chunk: int) -> float:
+def _decode_tps(engine: Engine, prompts: list[list[int]], gen: int, chunk: int, adapters=None) -> float:
     """Aggregate tok/s while all B rows decode together: from the last row's first token to the first
     row's last token. Rows prefill one after another while earlier rows decode, so each row gets
     ``gen`` tokens plus the steps it decodes during the later rows' prefill chunks; those steps (and
@@ -43,7 +43,8 @@ def _decode_tps(engine: Engine, prompts: list[list[int]], gen: int, chunk: int) 
     chunks = sum(-(-len(p) // chunk) for p in prompts)
     streams = []
     for i, p in enumerate(prompts):
-        r = Request(f"kv{time.perf_counter_ns()}-{i}", p, gen + chunks + 2, ignore_eos=True)
+        r = Request(f"kv{time.perf_counter_ns()}-{i}", p, gen + chunks + 2, ignore_eos=True,
+                    adapter=adapters[i] if adapters else -1)
         streams.append(_Timed(r.request_id))
         engine.submit(r, streams[-1])
     for st in streams:

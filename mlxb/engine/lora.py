@@ -63,6 +63,7 @@ class LoRAContext:
         self.paths = paths or {}  # name -> adapter folder
         self.digests = digests or [""] * len(names)
         self.ids: Optional[mx.array] = None
+        self.one: Optional[int] = None
 
     def slot(self, name: Optional[str]) -> int:
         return -1 if name is None else self.names.index(name)
@@ -70,6 +71,8 @@ class LoRAContext:
     def set(self, slots) -> None:
         slots = list(slots)
         self.ids = mx.array(slots, dtype=mx.int32) if any(s >= 0 for s in slots) else None
+        # every row with the same adapter: no gather, one adapter's factors (mlx-lm's LoRALinear exactly)
+        self.one = slots[0] if slots and slots[0] >= 0 and all(s == slots[0] for s in slots) else None
 
 
 class MultiLoRALinear(nn.Module):
@@ -78,6 +81,7 @@ class MultiLoRALinear(nn.Module):
         self.base = base
         self._ctx = ctx
         self.lora_a, self.lora_b, self.lora_scale = a, b, scale  # [n, in, r], [n, r, out], [n]
+        self._scales = [float(v) for v in scale.tolist()]
         self.freeze()
 
     def __call__(self, x):
@@ -87,6 +91,10 @@ class MultiLoRALinear(nn.Module):
             return y
         if ids.shape[0] != x.shape[0]:
             raise RuntimeError(f"LoRA slots for {ids.shape[0]} rows, forward over {x.shape[0]}")
+        one = self._ctx.one
+        if one is not None:
+            z = (x @ self.lora_a[one]) @ self.lora_b[one]
+            return y + (self._scales[one] * z).astype(x.dtype)
         safe = mx.maximum(ids, 0)
         z = (x @ self.lora_a[safe]) @ self.lora_b[safe]
         s = mx.where(ids >= 0, self.lora_scale[safe], 0.0).astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
