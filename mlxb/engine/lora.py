@@ -62,6 +62,7 @@ class LoRAContext:
         self.names = names
         self.paths = paths or {}  # name -> adapter folder
         self.digests = digests or [""] * len(names)
+        self.scales: list[float] = [20.0] * len(names)  # each adapter's lora_parameters.scale
         self.ids: Optional[mx.array] = None
         self.one: Optional[int] = None
 
@@ -70,7 +71,9 @@ class LoRAContext:
 
     def set(self, slots) -> None:
         slots = list(slots)
-        self.ids = mx.array(slots, dtype=mx.int32) if any(s >= 0 for s in slots) else None
+        self.ids = mx.array([max(s, 0) for s in slots], dtype=mx.uint32) if any(s >= 0 for s in slots) else None
+        # each row's scale; 0 for a row without an adapter (its factors, slot 0's, then add nothing)
+        self.row_scale = mx.array([self.scales[s] if s >= 0 else 0.0 for s in slots], dtype=mx.float32)
         # every row with the same adapter: no gather, one adapter's factors (mlx-lm's LoRALinear exactly)
         self.one = slots[0] if slots and slots[0] >= 0 and all(s == slots[0] for s in slots) else None
 
@@ -95,15 +98,15 @@ class MultiLoRALinear(nn.Module):
         if one is not None:
             z = (x @ self.lora_a[one]) @ self.lora_b[one]
             return y + (self._scales[one] * z).astype(x.dtype)
-        safe = mx.maximum(ids, 0)
-        z = (x @ self.lora_a[safe]) @ self.lora_b[safe]
-        s = mx.where(ids >= 0, self.lora_scale[safe], 0.0).astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
+        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=ids), self.lora_b, rhs_indices=ids)
+        s = self._ctx.row_scale.astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
         return y + (s * z).astype(x.dtype)
 
 
 def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None) -> LoRAContext:
     """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters."""
     ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
+    ctx.scales = [a.scale for a in adapters]
     modules = dict(model.named_modules())
     paths = sorted({k.rsplit(".", 1)[0] for a in adapters for k in a.weights if k.endswith(".lora_a")})
     for a in adapters:
