@@ -48,8 +48,15 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
 
     chosen = [c for c in matrix.cells if not cells or c.name in cells]
     groups: dict[tuple, list[str]] = {}
+    lora: dict[str, list] = {}  # cell -> mlxb's --adapters flags (the peer loads each request's adapter itself)
     for c in chosen:  # cells that need other server flags get their own server starts
-        groups.setdefault(tuple(_resolved_args(c.server_args, dtype)), []).append(c.name)
+        if c.adapters:
+            from mlxb.models.adapters import ensure_adapters
+
+            c.adapter_folders = ensure_adapters(str(path), None, f"bench:{spec.name}",
+                                                [{"seed": 100 + i, "rank": 8, "num_layers": -1} for i in range(c.adapters)])
+            lora[c.name] = ["--adapters", ",".join(f"a{i}={f}" for i, f in enumerate(c.adapter_folders))]
+        groups.setdefault(tuple(_resolved_args(c.server_args, dtype)) + tuple(lora.get(c.name, [])), []).append(c.name)
     if base_url and any(groups.keys() - {()}):
         raise ValidationError("cells with server_args (" + ", ".join(c.name for c in chosen if c.server_args)
                               + ") need servers this command starts; leave out --base-url or those cells")
@@ -67,7 +74,8 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                     started.append(srv)
                     targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags)))
                 if peer:
-                    srv = servers.start(peer, str(path), batch=batch, extra=extra)
+                    shared = extra[:extra.index("--adapters")] if "--adapters" in extra else extra
+                    srv = servers.start(peer, str(path), batch=batch, extra=shared)
                     started.append(srv)
                     targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
                 rq, sm = run_matrix(

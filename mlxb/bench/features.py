@@ -28,6 +28,13 @@ class Target:
 
 
 def dataset_for(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int) -> L.Dataset:
+    ds = _dataset(cell, tokenizer, n, vocab, scale, seed)
+    for i, p in enumerate(ds.payloads if cell.adapter_folders else []):  # LoRA: mlx-lm's field, by folder
+        p["adapters"] = cell.adapter_folders[i % len(cell.adapter_folders)]
+    return ds
+
+
+def _dataset(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int) -> L.Dataset:
     ln = {k: max(1, int(round(v * scale))) if k.endswith("_len") and k != "question_len" else v
           for k, v in cell.lengths.items()}
     extra = dict(cell.params)

@@ -15,7 +15,7 @@ DATASETS = {"random": {"input_len"}, "shared-prefix": {"system_len", "question_l
 GATES = {"top_logprobs_5", "json_schema_valid"}
 CELL_KEYS = {"name", "server_args", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
              "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups",
-             "turn_len", "turns"}
+             "turn_len", "turns", "adapters"}
 DEFAULT_KEYS = {"concurrency", "requests_per_slot", "output_len", "repeats"}
 
 
@@ -33,6 +33,8 @@ class Cell:
     output_len: int = 64
     requests: Optional[int] = None  # fixed request count per level (bench load); else concurrency x per-slot
     server_args: list = field(default_factory=list)  # flags every stack starts with for this cell
+    adapters: int = 0  # LoRA: random-weight adapters built for the model; requests cycle through them by folder
+    adapter_folders: list = field(default_factory=list)  # set when the cell runs (mlxb.models.adapters)
 
 
 # server flags a cell may set: both stacks take them under the same name and meaning
@@ -108,9 +110,13 @@ def parse(path: Path | str, text: Optional[str] = None) -> Matrix:
         if set(named) - SERVER_ARGS:
             raise ValidationError(f"{where}: server_args {', '.join(sorted(set(named) - SERVER_ARGS))} not allowed; "
                                   f"a cell may set {', '.join(sorted(SERVER_ARGS))} (both stacks take them)")
+        adapters = raw.get("adapters", 0)
+        if not isinstance(adapters, int) or not 0 <= adapters <= 64:
+            raise ValidationError(f"{where}: adapters must be an integer from 0 to 64 (LoRA adapters to mix)")
         cells.append(Cell(name, ds, lengths, raw.get("description", ""), params, list(raw.get("needs", [])), gates,
                           conc, int(raw.get("requests_per_slot", d.get("requests_per_slot", 2))),
-                          int(raw.get("output_len", d.get("output_len", 64))), server_args=list(args)))
+                          int(raw.get("output_len", d.get("output_len", 64))), server_args=list(args),
+                          adapters=adapters))
     if not cells:
         raise ValidationError(f"{path}: no [[cell]] entries")
     return Matrix(str(path), cells, int(d.get("repeats", 2)))

@@ -58,7 +58,8 @@ def test_knee_stops_at_first_breach():
 def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
     assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json",
-                                         "kv4", "spec"]
+                                         "kv4", "spec", "lora"]
+    assert [c.adapters for c in m.cells if c.adapters] == [4]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
     assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"],
                                                                  ["--draft-model", "tiny-llama", "--num-draft-tokens", "4"]]
@@ -73,6 +74,7 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
         ('[defaults]\nrepeats = 2\n', "no \\[\\[cell\\]\\] entries"),
         ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nserver_args = ["--batch", "1"]\n',
          "server_args --batch not allowed"),
+        ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nadapters = -1\n', "adapters must be an integer"),
     ]
     for text, msg in cases:
         bad.write_text(text)
