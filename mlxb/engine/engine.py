@@ -169,6 +169,7 @@ class Engine:
             "kv_scheme": self.kv_scheme.name if self.kv_scheme else "none",
             "kv_reads": kv_reads() if self.kv_scheme else None,
             "speculation": self.spec_stats(),
+            "lora": self.runner.lora.stats() if self.runner.lora is not None else None,
             "step_timing": self.step_timing(),
             "prompt_cache": self.prompt_cache_stats(),
         }

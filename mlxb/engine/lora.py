@@ -66,6 +66,10 @@ class LoRAContext:
         self.ids: Optional[mx.array] = None
         self.one: Optional[int] = None
 
+    def stats(self) -> dict:
+        return {"adapters": [{"name": n, "path": self.paths.get(n), "scale": s, "sha256": d}
+                             for n, s, d in zip(self.names, self.scales, self.digests)]}
+
     def slot(self, name: Optional[str]) -> int:
         return -1 if name is None else self.names.index(name)
 

@@ -48,6 +48,8 @@ def test_adapters_and_base_concurrently_each_as_alone(srv):
     by_field = httpx.post(srv.url + "/v1/chat/completions",
                           json={"messages": MSG, "max_tokens": 12, "adapters": "review"}).json()
     assert by_field["choices"][0]["message"]["content"] == alone["tiny-llama:review"]
+    lora = httpx.get(srv.url + "/stats").json()["engine"]["lora"]
+    assert [a["name"] for a in lora["adapters"]] == ["coder", "review"] and all(a["sha256"] for a in lora["adapters"])
 
 
 @pytest.mark.parametrize("body,param", [({"model": "tiny-llama:nope"}, "model"), ({"adapters": "nope"}, "adapters")])
