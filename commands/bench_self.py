@@ -25,6 +25,15 @@ def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
     console.print(f"wrote {out}")
 
 
+def _ints(text: str, flag: str, example: str) -> tuple:
+    from mlxb.errors import ValidationError
+
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise ValidationError(f"{flag} takes comma-separated integers, e.g. {example}") from None
+
+
 @app.command("spec")
 @cli_errors
 def spec_bench(
@@ -45,13 +54,9 @@ def spec_bench(
     """Speculative decoding vs plain decoding on our engine: decode tok/s ratios with the acceptance."""
     from mlxb.bench.spec import run
     from mlxb.engine.build import build_spec
-    from mlxb.errors import ValidationError
     from mlxb.models import load_model
 
-    try:
-        bs = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise ValidationError("--batches takes comma-separated integers, e.g. 1,8") from None
+    bs = _ints(batches, "--batches", "1,8")
     m, tok, mspec, path = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
                      draft_model, dtype, spec_max_batch)
@@ -91,11 +96,7 @@ def kv(
     from mlxb.errors import ValidationError
     from mlxb.models import load_model
 
-    try:
-        bits = tuple(int(b) for b in kv_bits.split(","))
-        bs = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise ValidationError("--kv-bits and --batches take comma-separated integers, e.g. 8,4") from None
+    bits, bs = _ints(kv_bits, "--kv-bits", "8,4"), _ints(batches, "--batches", "8,32")
     m, tok, spec, path = load_model(model, dtype)
     with console.status("benchmarking ...") as status:
         try:
@@ -135,13 +136,9 @@ def lora_bench(
 ) -> None:
     """LoRA per row on our engine: N adapters mixed vs the base, one adapter vs mlx-lm's fused model (ratios)."""
     from mlxb.bench.lora import run
-    from mlxb.errors import ValidationError
     from mlxb.models.registry import model_path, resolve_model
 
-    try:
-        bs = tuple(int(b) for b in batches.split(","))
-    except ValueError:
-        raise ValidationError("--batches takes comma-separated integers, e.g. 8,32") from None
+    bs = _ints(batches, "--batches", "8,32")
     spec = resolve_model(model)
     source = spec.source if spec.kind == "preset" else str(model_path(spec))
     with console.status("benchmarking ...") as status:
