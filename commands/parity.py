@@ -76,6 +76,7 @@ def parity(
     json_out: JsonOpt = False,
     plant_fault: Optional[str] = typer.Option(None, "--plant-fault", hidden=True,
                                               help="Test only: plant a known engine bug (negative controls)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Run our engine sharded over N processes (start every rank under mlx.launch with the same command); the oracle stays one unsharded mlx-lm process. Logits that are not bit-equal pass only within goldens/tp_envelope.json, with equal tokens."),
 ) -> None:
     """Run the engine under the parity protocol and compare every row-step with mlx-lm's batch mode."""
     from mlxb.doctor import machine_key
@@ -87,11 +88,12 @@ def parity(
         raise ValidationError(f"--plant-fault {plant_fault!r}: one of {', '.join(FAULTS)}")
     faults = frozenset([plant_fault]) if plant_fault else frozenset()
     root, machine, bs = _root(goldens), machine_key(), _bs(b)
+    link = _tp_link(tp, models, dtype, all_)  # None without --tp; followers never come back from here
     results, notes, skips = [], [], {}
     with progress(transient=True) as prog:
         for t in _targets(models, dtype, all_):
-            cs = build_cases(t, bs, cases)
-            skips[t.label] = skipped(t, cases)
+            cs = build_cases(t, bs, cases, tp=tp)
+            skips[t.label] = skipped(t, cases, tp)
             if against != "live" and not (root / machine / t.label).is_dir():
                 notes.append(f"no goldens for machine key {machine} and {t.label} under {root}: against the shared "
                              "layer only tokens and cache geometry can be compared (counted as 'tokens only', never "
@@ -99,7 +101,11 @@ def parity(
                              f"{' --dtype ' + t.dtype if t.label != t.model else ''}`"
                              " or run --against live")
             if cs:
-                results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label))
+                results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label), link)
+    if link is not None:
+        from mlxb.engine.tp import STOP
+
+        link.send([STOP])  # the other ranks leave their loops
     ok = all(r.ok for r in results) and bool(results)
     if json_out:
         print(json.dumps({"ok": ok, "machine_key": machine, "warnings": notes, "skipped": skips,
@@ -114,6 +120,26 @@ def parity(
         if not results:
             console.print("[red]no parity case applies to the selection[/]")
     raise typer.Exit(0 if ok else 1)
+
+
+def _tp_link(tp: int, models, dtype, all_):
+    """--tp N: join the mlx.launch group; a rank other than 0 loads and shards the model and follows
+    rank 0's engine until it is done (then this process exits)."""
+    if tp <= 1:
+        return None
+    from mlxb.engine.tp import Link, init_group, run_follower, shard_model
+    from mlxb.errors import ValidationError
+    from mlxb.models import load_model
+
+    if all_ or len(models or []) > 1:
+        raise ValidationError("--tp runs one model at a time: give a single --model (no --all)")
+    link = Link(init_group(tp))
+    if link.rank != 0:
+        t = _targets(models, dtype, False)[0]
+        m = load_model(*(t.load or (t.model, t.dtype)), lazy=True)[0]
+        shard_model(m, link.group, t.model)
+        raise typer.Exit(run_follower(m, link))
+    return link
 
 
 def _render(results, machine: str, root: Path) -> None:

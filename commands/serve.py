@@ -43,6 +43,8 @@ def serve(
     adapters: Optional[list[str]] = typer.Option(None, "--adapters", help="LoRA adapters (mlx-lm adapter folders) over the base, chosen per request: NAME=PATH[,NAME=PATH...] (repeatable). Requests pick one with model 'BASE:NAME' or mlx-lm's 'adapters' field; rows of different adapters decode in one batch."),
     max_loras: Optional[int] = typer.Option(None, "--max-loras", min=1, help="Refuse to start with more adapters than this."),
     max_lora_rank: Optional[int] = typer.Option(None, "--max-lora-rank", min=1, help="Refuse to start with an adapter of a higher rank."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel over N processes started by mlx.launch (ring on CPUs/Macs, nccl on CUDA GPUs); every rank runs this same command. See the README."),
+    tp_timeout: float = typer.Option(15.0, "--tp-timeout", min=1.0, help="--tp: a mirrored step that waits longer than this for another rank marks the server failed (/health 503) and exits it (code 70); an idle server notices within 3 s."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -64,7 +66,7 @@ def serve(
                            prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention, kv_bits=kv_bits,
                            kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config,
                            spec=spec, num_draft_tokens=num_draft_tokens, lookup_ngram=lookup_ngram,
-                           draft_model=draft_model, spec_max_batch=spec_max_batch)
+                           draft_model=draft_model, spec_max_batch=spec_max_batch, tp=tp, tp_timeout=tp_timeout)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
@@ -86,8 +88,13 @@ def serve(
         console.print(f"speculation: {sp['method']}{' (' + sp['draft_model'] + ')' if sp.get('draft_model') else ''}, "
                       f"up to {sp['num_draft_tokens']} draft tokens per row, while at most {sp['max_batch']} rows decode"
                       if sp["active"] else f"speculation: off ({sp['off_reason']})")
+    tps = gw.engine.stats()["tensor_parallel"]
+    if tps is not None:
+        console.print(f"tensor parallel: {tps['ranks']} ranks ({tps['backend']}); weights and KV rows split per rank; "
+                      f"not mirrored yet: {', '.join(tps['not_mirrored'])}")
     if pc is None:
-        console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))
+        console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)")
+                      + (" (not mirrored across --tp ranks yet)" if tps is not None and prompt_cache else ""))
     else:
         disk = f"SSD {pc.disk.root} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
         console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "

@@ -102,8 +102,10 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
                   spec_max_batch: int = 1, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
-                  max_lora_rank: Optional[int] = None, **engine_kw) -> Gateway:
+                  max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 15.0,
+                  **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
+    link = tp_link(tp, batch=batch, spec=spec or draft_model, adapters=adapters) if tp > 1 else None
     scheme = None
     if kv_bits is not None:
         from mlxb.cache.kv_plan import KVScheme
@@ -114,7 +116,12 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             from mlxb.errors import ValidationError
 
             raise ValidationError(str(e), param="kv_bits") from None
-    m, tok, spec_, path = load_model(model, dtype)
+    m, tok, spec_, path = load_model(model, dtype, lazy=link is not None)
+    if link is not None:  # each rank keeps its shard of the weights (and of every KV row)
+        from mlxb.engine.tp import run_follower, shard_model
+
+        shard_model(m, link.group, spec_.name)
+        prompt_cache = False  # not mirrored across ranks (mlxb.engine.tp)
     if adapters:  # {name: folder}: every adapter over the shared base, chosen per row
         from mlxb.engine.lora import install, read_adapter
         from mlxb.errors import ValidationError
@@ -140,6 +147,14 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             scheme = KVPlan.from_file(kv_config, len(make_prompt_cache(m)), layer_kinds(m))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_config") from None
+    if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
+        raise SystemExit(run_follower(m, link))
+    if link is not None:
+        from functools import partial
+
+        from mlxb.engine.tp import TPRunner
+
+        engine_kw["runner_cls"] = partial(TPRunner, link=link)
     try:
         engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
                         context_limit=context_limit(m), kv_scheme=scheme, **engine_kw)
@@ -154,8 +169,28 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.attach_prompt_cache(pc)  # NOTE: the warm-up runs the cache paths too, then empties the RAM tier
     engine.warmup = warm_up(engine) if warmup else None  # before traffic: first-use kernel compiles
     engine.start()
+    if link is not None:
+        from mlxb.engine.tp import watchdog
+
+        watchdog(engine, link, tp_timeout)
     gw = Gateway(engine, tok, model_name=spec_.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
     gw.spec, gw.path = spec_, path
     engine.attention_kernels = attention
     freeze_heap()
     return gw
+
+
+def tp_link(tp: int, *, batch: int, spec, adapters):
+    """``--tp N``: refuse what is not mirrored across ranks yet, then join the ``mlx.launch`` group."""
+    from mlxb.errors import ValidationError
+
+    if batch <= 1:
+        raise ValidationError("--tp runs on the batch lane; --batch 1 (the strict serial path) is one process only: "
+                              "use --batch 2 or more with --tp", param="tp")
+    for given, what in ((spec, "--spec / --draft-model"), (adapters, "--adapters")):
+        if given:
+            raise ValidationError(f"{what} is not available with --tp yet (not mirrored across ranks); leave it out "
+                                  "or run without --tp", param="tp")
+    from mlxb.engine.tp import Link, init_group
+
+    return Link(init_group(tp))

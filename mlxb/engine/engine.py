@@ -51,6 +51,7 @@ class Engine:
         min_shared: int = 32,
         kv_scheme=None,
         spec=None,
+        runner_cls=Runner,  # mlxb.engine.tp.TPRunner (bound to its Link) under --tp
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
@@ -60,6 +61,10 @@ class Engine:
         from mlxb.cache.kv_plan import as_plan, fit_plan
 
         self.kv_scheme = fit_plan(as_plan(kv_scheme, len(self.kinds)), model)  # mlxb.cache.quantized.KVPlan or None
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
+        # NOTE: the runner first: under --tp it is announced to the other ranks before the forward below
+        self.runner = runner_cls(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
+                                 special_tokens=sorted(self.eos_ids))
         self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
         if self.projection is not None and spec is not None and spec.draft_model is not None:
             from mlxb.engine.outputs import KVProjection
@@ -67,7 +72,6 @@ class Engine:
             d = spec.draft_model  # a draft model keeps one plain cache row per target row: admission counts it
             self.projection = KVProjection(self.projection.layers + kv_projection(d, layer_kinds(d)).layers)
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         self.scheduler = Scheduler(
             max_batch=max_batch,
             prefill_chunk=prefill_chunk,
@@ -82,8 +86,6 @@ class Engine:
             evict_cache=self.reuse.evict,
         )
         self.attach_prompt_cache(prompt_cache)
-        self.runner = Runner(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
-                             special_tokens=sorted(self.eos_ids))
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._serial: deque[Live] = deque()
@@ -170,6 +172,7 @@ class Engine:
             "kv_reads": kv_reads() if self.kv_scheme else None,
             "speculation": self.spec_stats(),
             "lora": self.runner.lora.stats() if self.runner.lora is not None else None,
+            "tensor_parallel": getattr(self.runner, "tp_stats", lambda: None)(),
             "step_timing": self.step_timing(),
             "prompt_cache": self.prompt_cache_stats(),
         }
@@ -230,12 +233,15 @@ class Engine:
                     mx.clear_cache()
                 was_busy = busy
                 self._drain_inbox(block=not busy)
+                if not busy:
+                    self.runner.idle()
                 self.iterate()
             self._drain_inbox(block=False)  # requests handed in while stopping are answered too
             for live in list(self._live.values()):
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=SHUTTING_DOWN)
             self._live.clear()
             self.delivery.flush()
+            getattr(self.runner, "close", lambda: None)()  # --tp: the other ranks stop too
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
             self.fatal = e
             for live in list(self._live.values()):

@@ -101,6 +101,10 @@ class Runner:
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
         self.lora = getattr(model, "mlxb_lora", None)  # mlxb.engine.lora.LoRAContext when --adapters
+        self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.engine.tp)
+
+    def idle(self) -> None:
+        """The engine has nothing to run (``mlxb.engine.tp.TPRunner`` pings the other ranks)."""
 
     def fwd(self, rows, x, cache):
         """The model over ``rows`` (batch order), each with its LoRA adapter slot (``mlxb.engine.lora``)."""
@@ -136,6 +140,7 @@ class Runner:
         if row.context is not None:
             row.context = mx.concatenate([row.context, last])
         tok, lp = row.sampler(row.context, logits)
+        tok = self.share(tok)
         mx.eval(tok, lp)
         geo = None
         if self.capture is not None and self._geo_layer is not None:
@@ -213,6 +218,7 @@ class Runner:
             c = caches[self._geo_layer]
             geo = [(int(c._idx), int(p)) for p in c.left_padding.tolist()]
         toks_arr, lps = sample_rows(rows, last, logits)
+        toks_arr = self.share(toks_arr)
         for r in rows:
             r.solo = []
         mx.eval(toks_arr, lps)  # one sync for the whole cohort
@@ -299,6 +305,7 @@ class Runner:
         else:
             sampled, lps = sample_rows(rows, inputs, logits, masked=bool(cons))
             new_pending = [lp if self._needs_vectors(r) else True for r, lp in zip(rows, lps)]
+        sampled = self.share(sampled)
         t1 = time.perf_counter()
         mx.async_eval(sampled, [p for p in new_pending if p is not True])
         t2 = time.perf_counter()

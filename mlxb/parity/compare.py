@@ -24,6 +24,7 @@ class RowResult:
     tokens_only: int = 0  # token and geometry agree; the reference holds no logit hash to compare
     missing: int = 0  # steps the reference has and we do not (or the reverse)
     first_divergence: Optional[dict] = None
+    worst: tuple = (0.0, 0.0)  # over the steps passed by the envelope: max |Δlogprob| (top-5), max KL
 
     @property
     def ok(self) -> bool:
@@ -47,7 +48,8 @@ class CaseResult:
         return {"case": self.label, "against": self.against, "ok": self.ok, **self.counts(),
                 "schedule_mismatch": self.schedule_mismatch, "error": self.error, "envelope_spec": self.envelope,
                 "rows": [{"row": r.row, "steps": r.steps, "exact": r.exact, "envelope": r.envelope,
-                          "tokens_only": r.tokens_only, "missing": r.missing, "first_divergence": r.first_divergence} for r in self.rows]}
+                          "tokens_only": r.tokens_only, "missing": r.missing, "first_divergence": r.first_divergence,
+                          "envelope_worst": {"max_abs_logprob": r.worst[0], "kl_top5": r.worst[1]}} for r in self.rows]}
 
     def counts(self) -> dict:
         return {k: sum(getattr(r, k) for r in self.rows) for k in ("steps", "exact", "envelope", "tokens_only", "missing")}
@@ -59,9 +61,11 @@ def _top_delta(ours: list, ref: list) -> tuple[float, float]:
         return math.inf, math.inf
     if not b:
         return 0.0, 0.0
-    dmax = max(abs(a[i] - b[i]) for i in b)
+    # a grammar mask leaves -inf in the top-5 when fewer than 5 tokens are allowed: equal -inf is no
+    # difference, and a token with probability 0 adds nothing to the KL
+    dmax = max(0.0 if a[i] == b[i] else abs(a[i] - b[i]) for i in b)
     za, zb = sum(math.exp(v) for v in a.values()), sum(math.exp(v) for v in b.values())
-    kl = sum(math.exp(b[i]) / zb * ((b[i] - math.log(zb)) - (a[i] - math.log(za))) for i in b)
+    kl = sum(math.exp(b[i]) / zb * ((b[i] - math.log(zb)) - (a[i] - math.log(za))) for i in b if b[i] != -math.inf)
     return dmax, kl
 
 
@@ -89,6 +93,8 @@ def compare(label: str, against: str, ours: dict, ref: dict, envelope: Optional[
                 rr.exact += 1
             elif a["t"] == b["t"] and same_geo and "top" in b and within(envelope, a, b):
                 rr.envelope += 1
+                d = _top_delta(a["top"], b["top"])
+                rr.worst = (max(rr.worst[0], d[0]), max(rr.worst[1], d[1]))
             elif rr.first_divergence is None:
                 dmax, kl = _top_delta(a["top"], b.get("top", []))
                 rr.first_divergence = {"step": step, "what": "token" if a["t"] != b["t"] else

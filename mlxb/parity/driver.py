@@ -18,7 +18,7 @@ from mlxb.parity.protocol import MIN_SHARED, Case, plan, step_record
 from mlxb.request import Request, SamplingParams
 
 
-def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) -> dict:
+def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), runner_cls=None) -> dict:
     records: dict[int, list] = {i: [] for i in range(len(case.rows))}
 
     def capture(rid: str, step: int, token: int, vec, geo) -> None:
@@ -32,7 +32,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset()) ->
 
         scheme = KVScheme(case.kv["bits"], case.kv["group_size"], case.kv["start"])
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,
-                 join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme)
+                 join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme,
+                 **({"runner_cls": runner_cls} if runner_cls else {}))
     disk = tempfile.TemporaryDirectory() if case.prefix else None
     if case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
         from mlxb.cache.prompt_cache import PromptCache

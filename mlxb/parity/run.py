@@ -144,9 +144,13 @@ def _quant_backend(t: Target) -> Optional[str]:
     return None
 
 
-def skipped(t: Target, names: Optional[list[str]] = None) -> dict[str, str]:
-    """The cases that do not apply to ``t``'s model (or to this backend), with the reason."""
-    out = {n: skip_reason(n, t.kinds) for n in (names or CASES)}
+TP_OFF = {"prefix": "the prompt cache is not mirrored across --tp ranks yet",
+          "lora": "LoRA adapters are not mirrored across --tp ranks yet"}
+
+
+def skipped(t: Target, names: Optional[list[str]] = None, tp: int = 1) -> dict[str, str]:
+    """The cases that do not apply to ``t``'s model (or to this backend, or to --tp), with the reason."""
+    out = {n: skip_reason(n, t.kinds) or (TP_OFF.get(n) if tp > 1 else None) for n in (names or CASES)}
     if "quant" in out and out["quant"] is None:
         out["quant"] = _quant_backend(t)
     if "lora" in out and out["lora"] is None and not t.lora_ok:
@@ -154,11 +158,12 @@ def skipped(t: Target, names: Optional[list[str]] = None) -> dict[str, str]:
     return {n: why for n, why in out.items() if why}
 
 
-def build_cases(t: Target, bs: Iterable[int], names: Optional[list[str]] = None, seed: int = 0) -> list[Case]:
+def build_cases(t: Target, bs: Iterable[int], names: Optional[list[str]] = None, seed: int = 0,
+                tp: int = 1) -> list[Case]:
     bad = [n for n in names or [] if n not in CASES]
     if bad:
         raise ValidationError(f"unknown case(s) {', '.join(bad)}; cases are: {', '.join(CASES)}")
-    skip = skipped(t, names)
+    skip = skipped(t, names, tp)
     return [make_case(t.model, t.dtype, n, b, seed, t.vocab, t.window, t.ids, t.trimmable)
             for n in (names or CASES) if n not in skip for b in bs]
 
@@ -170,7 +175,8 @@ def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Op
         src, dst, lds = Path(d) / "cases.jsonl", Path(d) / "oracle.json", Path(d) / "loads.json"
         src.write_text("".join(json.dumps(c.to_dict()) + "\n" for c in cases))
         lds.write_text(json.dumps(loads or {}))
-        env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MLX_RANK", "MLX_HOSTFILE", "NCCL_", "MLX_WORLD"))}
+        env["TRANSFORMERS_VERBOSITY"] = "error"  # (the oracle is one unsharded process, also under --tp)
         proc = subprocess.Popen([sys.executable, "-m", "mlxb.oracle", str(src), str(dst), str(lds)], stderr=subprocess.PIPE,
                                 text=True, env=env)
         tail = []
@@ -189,9 +195,19 @@ def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Op
 
 
 def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optional[Progress] = None,
-             loads: Optional[dict] = None) -> list[dict]:
+             loads: Optional[dict] = None, tp=None) -> list[dict]:
+    """Every case through our engine; ``tp`` (an ``mlxb.engine.tp.Link``): sharded, the other ranks following."""
+    from functools import partial
+
+    from mlxb.engine.runner import Runner
     from mlxb.models import load_model
     from mlxb.parity.driver import run_engine
+
+    runner_cls = Runner
+    if tp is not None:
+        from mlxb.engine.tp import TPRunner, shard_model
+
+        runner_cls = partial(TPRunner, link=tp)
 
     loaded: dict = {}
     out = []
@@ -200,7 +216,9 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
             src = (loads or {}).get(f"{c.model}|{c.dtype}", (c.model, c.dtype))
             if (c.model, c.dtype) not in loaded or c.lora:  # adapters change the model: a fresh one per case
                 loaded.clear()
-                m, tok, _, _ = load_model(*src)
+                m, tok, _, _ = load_model(*src, lazy=tp is not None)
+                if tp is not None:
+                    shard_model(m, tp.group, c.model)
                 if c.lora:
                     from mlxb.engine.lora import install, read_adapter
                     from mlxb.models.adapters import ensure_adapters
@@ -211,7 +229,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
                     loaded[(c.model, c.dtype)] = (m, tok)
             else:
                 m, tok = loaded[(c.model, c.dtype)]
-            out.append(run_engine(m, tok, c, faults))
+            out.append(run_engine(m, tok, c, faults, runner_cls))
         except Exception as e:  # the case fails alone; the others still run
             out.append({"records": {}, "schedule_mismatch": None, "error": f"{type(e).__name__}: {e}"[:300]})
         if progress:
@@ -220,7 +238,10 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
 
 
 def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
-           faults: frozenset = frozenset(), progress: Optional[Progress] = None) -> list[CaseResult]:
+           faults: frozenset = frozenset(), progress: Optional[Progress] = None, tp=None) -> list[CaseResult]:
+    """``tp``: the engine runs sharded (``mlxb.engine.tp.Link``); steps whose logits are not bit-equal to
+    the unsharded reference may pass within ``goldens/tp_envelope.json`` (tokens must agree)."""
+    tp_env = goldens.tp_envelope(root, t.dtype) if tp is not None else None
     if against not in ("live", "golden", "both"):
         raise ValidationError(f"--against {against!r}: use live, golden or both")
     gold = {}
@@ -233,7 +254,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
             gold[c.key] = g
     loads = t.loads()
     ref = run_oracle(cases, progress, loads) if against in ("live", "both") else None
-    ours = run_ours(cases, faults, progress, loads)
+    ours = run_ours(cases, faults, progress, loads, tp)
     results = []
     for i, c in enumerate(cases):
         label = f"{t.label} {c.key}"
@@ -248,7 +269,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
             r.error = f"the mlx-lm oracle failed on this case: {ref[i]['error']}"
             results.append(r)
         elif ref is not None:
-            r = compare(label, "live", ours[i]["records"], ref[i]["records"])
+            r = compare(label, "live", ours[i]["records"], ref[i]["records"], tp_env)
             r.schedule_mismatch = mismatch
             results.append(r)
         if against in ("golden", "both"):
@@ -258,8 +279,9 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
                 r.error = (f"no golden for {t.label}/{c.key} under {root} (machine key {machine}); "
                            f"run `mlxb golden-gen --model {t.shown or t.model} --b {c.b} --case {c.case}`")
             else:
-                r = compare(label, f"golden:{g['level']}", ours[i]["records"], g["records"], g["envelope"])
-                r.envelope = g["envelope"]
+                env = tp_env or g["envelope"]
+                r = compare(label, f"golden:{g['level']}", ours[i]["records"], g["records"], env)
+                r.envelope = env
             r.schedule_mismatch = mismatch
             results.append(r)
     return results

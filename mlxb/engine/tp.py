@@ -1,0 +1,364 @@
+"""Tensor parallelism (``--tp N``) over ``mx.distributed``: one process per shard, started by
+``mlx.launch`` (ring backend on CPUs and Macs, NCCL on CUDA GPUs, JACCL on Thunderbolt Macs).
+
+Every rank loads the model and shards it with the model's own ``shard(group)`` (mlx-lm's
+attention heads and MLP columns split, an ``all_sum`` after ``o_proj`` and ``down_proj``), so each
+rank holds 1/N of the weights and 1/N of every KV row. Rank 0 runs everything else: HTTP, the
+gateway, the scheduler, sampling, delivery. The other ranks run a ``Follower``: a plain
+``Runner`` over their shard that replays rank 0's runner calls.
+
+How the ranks stay in step (``TPRunner`` on rank 0):
+
+* Calls that run the model (a prefill chunk, token 0, a cohort prefill, a decode step) send one
+  message first; calls that only rearrange cache rows (new row, join, filter, drop) are queued
+  and ride along with the next message, so a decode iteration costs one broadcast. A message is
+  a list of int32 words sent with ``all_sum`` (rank 0 holds it, the others add zeros): a 32-word
+  head, and a second ``all_sum`` only when the words do not fit (prompt ids of a new row).
+* Sampling happens on rank 0 only. Its sampled tokens reach the other ranks inside the step's
+  graph (``Link.share``: an ``all_sum`` of rank 0's tokens and the others' zeros), so the pipelined
+  decode keeps its lookahead and the followers need no sampler, grammar, seed or logprobs state:
+  every per-row feature of rank 0 works unchanged under ``--tp``. Sampling identically on every
+  rank would also work while the ``all_sum`` gives every rank the same bits, but one grammar
+  matcher or penalty state out of step would fork the ranks silently; broadcasting cannot.
+* An exception inside a mirrored call leaves the ranks disagreeing about the cache rows: it is
+  raised as ``RanksOutOfStep`` (not an ``Exception``), which kills the engine thread, so
+  ``/health`` answers 503 and the server exits instead of serving from forked caches.
+* A rank that stops answering (dead or hung) blocks rank 0 inside a collective. ``watchdog``
+  notices (an idle engine pings every second; a ping older than 3 s, or a mirrored call older
+  than ``--tp-timeout``), marks the engine failed (``/health`` 503 with the reason) and exits
+  the process non-zero, which makes ``mlx.launch`` stop the other ranks.
+
+Not mirrored yet, and therefore refused or off under ``--tp``: the prompt cache (each rank would
+need the same entries), speculative decoding, LoRA adapters, ``--batch 1`` (the serial lane).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Optional
+
+import mlx.core as mx
+
+from mlxb.engine.runner import FAULTS, Runner
+from mlxb.errors import ValidationError
+from mlxb.request import Request
+
+NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
+JOIN_MODES = ("extend", "merge")
+HEAD = 32  # words in the first all_sum of a message (its length, then up to 31 words)
+EXIT_CODE = 70  # the process exits with this when a rank stopped answering
+
+
+class RanksOutOfStep(BaseException):
+    """A mirrored call failed on rank 0: the ranks' caches can no longer be trusted to agree."""
+
+
+def init_group(tp: int):
+    """The world group of ``tp`` processes started by ``mlx.launch``; a clear error otherwise."""
+    group = mx.distributed.init()
+    if group.size() != tp:
+        raise ValidationError(
+            f"--tp {tp} needs {tp} processes, found {group.size()}: start every rank with mlx.launch, e.g. "
+            f"'mlx.launch --backend ring -n {tp} $(which mlxb) serve --tp {tp} ...' on one machine (CPU), "
+            f"'--backend nccl' for {tp} CUDA GPUs, or '--hostfile hosts.json' for several Macs (see the README)",
+            param="tp")
+    return group
+
+
+def shard_model(model, group, name: str) -> None:
+    """Shard ``model`` in place with its own ``shard(group)``; refuse what cannot be split evenly."""
+    n = group.size()
+    if not hasattr(model, "shard"):
+        kind = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+        raise ValidationError(f"{name} ({kind}) has no tensor-parallel sharding in mlx-lm (no Model.shard); "
+                              "--tp works for architectures that have one (llama, qwen2/3, qwen3.5, deepseek, ...)",
+                              param="tp")
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        attn = getattr(layer, "self_attn", None)
+        for attr in ("n_heads", "n_kv_heads", "num_attention_heads", "num_key_value_heads"):
+            v = getattr(attn, attr, None)
+            if isinstance(v, int) and v % n:
+                raise ValidationError(f"{name}: layer {i} has {v} {attr.replace('_', ' ')}, not divisible by --tp {n}; "
+                                      f"choose a --tp that divides it", param="tp")
+    try:
+        model.shard(group)
+    except (ValueError, AssertionError) as e:
+        raise ValidationError(f"{name} cannot be sharded {n} ways: {e}", param="tp") from None
+    mx.eval(model.parameters())
+
+
+def backend_name() -> str:
+    """Which ``mx.distributed`` backend ``mlx.launch`` set up, from the environment it exports."""
+    env = os.environ
+    if "NCCL_HOST_IP" in env:
+        return "nccl"
+    if "MLX_IBV_DEVICES" in env or "MLX_JACCL_COORDINATOR" in env:
+        return "jaccl"
+    if "MLX_MPI_LIBNAME" in env or "OMPI_COMM_WORLD_RANK" in env:
+        return "mpi"
+    return "ring" if "MLX_HOSTFILE" in env else "unknown"
+
+
+class Link:
+    """Rank 0's messages to the other ranks, and in-graph broadcast of sampled tokens."""
+
+    def __init__(self, group):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.busy_since: Optional[float] = None  # rank 0: when the mirrored call in progress began
+        self.busy_kind = "work"
+        self.messages = 0
+        self.words = 0
+
+    def _sum(self, a: mx.array) -> mx.array:
+        return mx.distributed.all_sum(a, group=self.group)
+
+    def send(self, words: list[int]) -> None:
+        head = words[: HEAD - 1]
+        mx.eval(self._sum(mx.array([len(words), *head] + [0] * (HEAD - 1 - len(head)), dtype=mx.int32)))
+        if len(words) > HEAD - 1:
+            mx.eval(self._sum(mx.array(words[HEAD - 1:], dtype=mx.int32)))
+        self.messages += 1
+        self.words += len(words)
+
+    def recv(self) -> list[int]:
+        head = self._sum(mx.zeros(HEAD, dtype=mx.int32)).tolist()
+        n = head[0]
+        words = head[1 : 1 + min(n, HEAD - 1)]
+        if n > HEAD - 1:
+            words += self._sum(mx.zeros(n - HEAD + 1, dtype=mx.int32)).tolist()
+        return words
+
+    def share(self, a: mx.array) -> mx.array:
+        """Rank 0's ``a`` (integer tokens) on every rank, as a node of the lazy graph."""
+        x = a.astype(mx.int32)
+        # NOTE: ``x * 0``, not ``zeros_like(x)``: the zeros must depend on this rank's forward, or the
+        # follower's graph runs this all_sum before the forward's own and the ranks deadlock
+        return self._sum(x if self.rank == 0 else x * 0).astype(a.dtype)
+
+
+class TPRunner(Runner):
+    """Rank 0's runner: each call is sent to the other ranks before it runs here."""
+
+    def __init__(self, model, kinds, *, link: Link, **kw):
+        super().__init__(model, kinds, **kw)
+        self.link = link
+        self.share = link.share
+        # an engine is being built: the other ranks build the same runner, then measure KV bytes with
+        # rank 0's Engine (one forward: its collectives); ENGINE words: join mode, faults, KV plan
+        self._queued: list[int] = [ENGINE, JOIN_MODES.index(self.join_mode["full"]),
+                                   sum(1 << i for i, f in enumerate(FAULTS) if f in self.faults), *_plan_words(self.kv, len(kinds))]
+        self._gone: deque = deque()  # keys of rank-0 rows garbage-collected: followers drop theirs
+        self._next_key = 0
+        self._last_message = time.monotonic()
+        self._flush()  # now: the Engine's KV projection forward comes next
+        self.link.busy_since = None
+
+    def _flush(self, *words: int, kind: str = "work") -> None:
+        msg, self._queued = self._queued, []
+        gone = []
+        while self._gone:
+            gone.append(self._gone.popleft())
+        if gone:
+            msg += [FORGET, len(gone), *gone]
+        self.link.busy_kind, self.link.busy_since = kind, time.monotonic()
+        self.link.send(msg + list(words))
+        self._last_message = time.monotonic()
+
+    def _mirrored(self, words: tuple, call, *args):
+        self._flush(*words)
+        try:
+            return call(*args)
+        except Exception as e:
+            raise RanksOutOfStep(f"a tensor-parallel call failed on rank 0 ({e!r}); the ranks' caches no longer agree") from e
+        finally:
+            self.link.busy_since = None
+
+    def new_row(self, req: Request):
+        row = super().new_row(req)
+        row.tp_key = key = self._next_key
+        self._next_key += 1
+        self._queued += [NEW, key, len(req.prompt_ids), *req.prompt_ids]
+        weakref.finalize(row, self._gone.append, key)
+        return row
+
+    def prefill_chunk(self, row, start, end, is_last):
+        return self._mirrored((CHUNK, row.tp_key, start, end, int(is_last)), super().prefill_chunk, row, start, end, is_last)
+
+    def first_token(self, row):
+        return self._mirrored((FIRST, row.tp_key), super().first_token, row)
+
+    def prefill_cohort(self, rows, starts=None, snapshot=None):
+        if snapshot is not None:
+            raise RanksOutOfStep("cohort snapshots (the prompt cache) are not mirrored under --tp")
+        starts = starts or [0] * len(rows)
+        return self._mirrored((COHORT, len(rows), *[r.tp_key for r in rows], *starts), super().prefill_cohort, rows, starts)
+
+    def join_cohort(self, caches, rows, tokens, keep):
+        self._queued += [JOIN_COHORT, len(rows), *[r.tp_key for r in rows], *tokens, len(keep), *keep]
+        return super().join_cohort(caches, rows, tokens, keep)
+
+    def join(self, row, token0):
+        self._queued += [JOIN, row.tp_key, token0]
+        return super().join(row, token0)
+
+    def decode_step(self):
+        return self._mirrored((DECODE,), super().decode_step)
+
+    def filter(self, keep):
+        self._queued += [FILTER, len(keep), *keep]
+        return super().filter(keep)
+
+    def drop_all(self):
+        self._queued.append(DROP)
+        return super().drop_all()
+
+    def idle(self) -> None:
+        """Called by an idle engine: a ping a second, so a rank that stopped answering shows."""
+        if time.monotonic() - self._last_message >= 1.0:
+            self._flush(PING, kind="ping")
+            self.link.busy_since = None
+
+    def tp_stats(self) -> dict:
+        """For /stats: the ranks, and what keeping them in step costs (KV bytes in /stats are this rank's)."""
+        lk = self.link
+        return {"ranks": lk.size, "backend": backend_name(),
+                "kv_bytes_per": "rank", "messages": lk.messages,
+                "mean_words": round(lk.words / lk.messages, 2) if lk.messages else 0.0,
+                "not_mirrored": ["prompt cache", "speculation", "LoRA adapters", "--batch 1"]}
+
+    def close(self) -> None:
+        """Clean stop: the other ranks leave their loops."""
+        self._flush(STOP, kind="ping")
+        self.link.busy_since = None
+
+
+def _plan_words(plan, n: int) -> list[int]:
+    """A KV plan as words: start, then (bits, group size) per layer, (0, 0) for full width; [-1]: no plan."""
+    if plan is None:
+        return [-1]
+    return [plan.start] + [w for sc in plan.layers for w in ((sc.bits, sc.group_size) if sc is not None else (0, 0))]
+
+
+def _plan_from(words: list[int], n: int):
+    from mlxb.cache.kv_plan import KVPlan, KVScheme
+
+    if words[0] == -1:
+        return None, 1
+    start = words[0]
+    layers = [KVScheme(words[1 + 2 * i], words[2 + 2 * i], start) if words[1 + 2 * i] else None for i in range(n)]
+    return KVPlan(layers, start), 1 + 2 * n
+
+
+def run_follower(model, link: Link) -> int:
+    """A rank other than 0: replay rank 0's runner calls on this shard until it says STOP."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 stops them (STOP)
+    return follow(model, link)
+
+
+def _engine(model, w: list[int], i: int) -> tuple[Runner, int]:
+    """ENGINE: the runner rank 0 just built, then the KV projection forward its Engine runs next."""
+    from mlxb.cache.protocol import kv_projection, layer_kinds
+
+    kinds = layer_kinds(model)
+    join_full, mask = JOIN_MODES[w[i + 1]], w[i + 2]
+    plan, used = _plan_from(w[i + 3 :], len(kinds))
+    runner = Runner(model, kinds, join_full=join_full, faults=frozenset(f for k, f in enumerate(FAULTS) if mask >> k & 1),
+                    kv_scheme=plan)
+    if all(k is not None for k in kinds):
+        kv_projection(model, kinds, runner.kv)
+    return runner, i + 3 + used
+
+
+def follow(model, link: Link) -> int:
+    """The follower's loop: one message at a time, its ops in order."""
+    runner: Optional[Runner] = None
+    rows: dict[int, object] = {}
+    cohort = None
+    while True:
+        w = link.recv()
+        i = 0
+        while i < len(w):
+            op = w[i]
+            if op == ENGINE:
+                runner, i = _engine(model, w, i)
+                runner.share = link.share
+                rows, cohort = {}, None
+            elif op == NEW:
+                key, n = w[i + 1], w[i + 2]
+                rows[key] = runner.new_row(Request(f"tp-{key}", w[i + 3 : i + 3 + n], max_tokens=1 << 30))
+                i += 3 + n
+            elif op == CHUNK:
+                runner.prefill_chunk(rows[w[i + 1]], w[i + 2], w[i + 3], bool(w[i + 4]))
+                i += 5
+            elif op == FIRST:
+                runner.first_token(rows[w[i + 1]])
+                i += 2
+            elif op == COHORT:
+                n = w[i + 1]
+                cohort = runner.prefill_cohort([rows[k] for k in w[i + 2 : i + 2 + n]], w[i + 2 + n : i + 2 + 2 * n])[0]
+                i += 2 + 2 * n
+            elif op == JOIN_COHORT:
+                n = w[i + 1]
+                keys, tokens = w[i + 2 : i + 2 + n], w[i + 2 + n : i + 2 + 2 * n]
+                m = w[i + 2 + 2 * n]
+                keep = w[i + 3 + 2 * n : i + 3 + 2 * n + m]
+                runner.join_cohort(cohort, [rows[k] for k in keys], tokens, keep)
+                cohort = None
+                i += 3 + 2 * n + m
+            elif op == JOIN:
+                runner.join(rows[w[i + 1]], w[i + 2])
+                i += 3
+            elif op == DECODE:
+                runner.decode_step()
+                i += 1
+            elif op == FILTER:
+                n = w[i + 1]
+                runner.filter(w[i + 2 : i + 2 + n])
+                i += 2 + n
+            elif op == DROP:
+                runner.drop_all()
+                i += 1
+            elif op == FORGET:
+                n = w[i + 1]
+                for k in w[i + 2 : i + 2 + n]:
+                    rows.pop(k, None)
+                i += 2 + n
+            elif op == PING:
+                i += 1
+            elif op == STOP:
+                if runner is not None:
+                    runner.drop_all()
+                mx.synchronize()
+                return 0
+            else:
+                raise RuntimeError(f"rank {link.rank}: unknown tensor-parallel op {op} (ranks out of step)")
+
+
+def watchdog(engine, link: Link, timeout: float, ping_timeout: float = 3.0, grace: float = 2.0) -> threading.Thread:
+    """Rank 0: fail the engine (``/health`` 503) and exit the process when a rank stops answering."""
+    from mlxb.errors import EngineFailure
+
+    def run():  # also while stopping: the last message (STOP) can meet a dead rank
+        while engine.fatal is None:
+            time.sleep(0.25)
+            since = link.busy_since
+            if since is None:
+                continue
+            limit = ping_timeout if link.busy_kind == "ping" or engine.stopping else timeout
+            waited = time.monotonic() - since
+            if waited > limit and link.busy_since == since:
+                engine.fatal = EngineFailure(
+                    f"tensor parallel: another rank has not answered for {waited:.1f} s (dead or hung); "
+                    f"this server exits with code {EXIT_CODE}")
+                time.sleep(grace)  # /health answers 503 meanwhile
+                os._exit(EXIT_CODE)
+
+    t = threading.Thread(target=run, name="mlxb-tp-watchdog", daemon=True)
+    t.start()
+    return t
