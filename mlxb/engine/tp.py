@@ -63,7 +63,7 @@ def init_group(tp: int):
     if group.size() != tp:
         raise ValidationError(
             f"--tp {tp} needs {tp} processes, found {group.size()}: start every rank with mlx.launch, e.g. "
-            f"'mlx.launch --backend ring -n {tp} $(which mlxb) serve --tp {tp} ...' on one machine (CPU), "
+            f"'mlx.launch --backend ring -n {tp} -- mlxb serve --tp {tp} ...' on one machine (CPU), "
             f"'--backend nccl' for {tp} CUDA GPUs, or '--hostfile hosts.json' for several Macs (see the README)",
             param="tp")
     return group

@@ -103,13 +103,18 @@ def diff(old: dict, new: dict) -> list[str]:
     return lines
 
 
-def tp_envelope(root: Path, dtype: str) -> dict:
+def tp_envelope(root: Path, dtype: str, label: str = "") -> dict:
     """The envelope a tensor-parallel run may use where logits are not bit-equal (``--tp``): written by
     people from measured runs (``goldens/tp_envelope.json`` keeps the measurements next to it)."""
     p = root / "tp_envelope.json"
     if not p.exists():
         raise ValidationError(f"{p} is missing: parity --tp needs its envelope (written from measured runs; see the README)")
-    d = json.loads(p.read_text())["envelopes"]
+    whole = json.loads(p.read_text())
+    if label in whole.get("models", {}):
+        e = whole["models"][label]
+        return {"max_abs_logprob": float(e["max_abs_logprob"]), "kl_top5": float(e["kl_top5"]), "source": label}
+    d = whole["envelopes"]
     if dtype not in d:
         raise ValidationError(f"{p} has no envelope for {dtype} (it has {', '.join(d)}): measure one before gating on it")
-    return {"max_abs_logprob": float(d[dtype]["max_abs_logprob"]), "kl_top5": float(d[dtype]["kl_top5"])}
+    return {"max_abs_logprob": float(d[dtype]["max_abs_logprob"]), "kl_top5": float(d[dtype]["kl_top5"]),
+            "source": f"{dtype} default"}

@@ -241,7 +241,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
            faults: frozenset = frozenset(), progress: Optional[Progress] = None, tp=None) -> list[CaseResult]:
     """``tp``: the engine runs sharded (``mlxb.engine.tp.Link``); steps whose logits are not bit-equal to
     the unsharded reference may pass within ``goldens/tp_envelope.json`` (tokens must agree)."""
-    tp_env = goldens.tp_envelope(root, t.dtype) if tp is not None else None
+    tp_env = goldens.tp_envelope(root, t.dtype, t.label) if tp is not None else None
     if against not in ("live", "golden", "both"):
         raise ValidationError(f"--against {against!r}: use live, golden or both")
     gold = {}
@@ -270,6 +270,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
             results.append(r)
         elif ref is not None:
             r = compare(label, "live", ours[i]["records"], ref[i]["records"], tp_env)
+            r.envelope = tp_env
             r.schedule_mismatch = mismatch
             results.append(r)
         if against in ("golden", "both"):
