@@ -154,3 +154,47 @@ def lora_bench(
                   " ".join(f"{r['one_vs_fused_' + f]:.3f}" for f in ("min", "median", "max")))
     console.print(t)
     _write(res, "lora", spec, out)
+
+
+@app.command("tp")
+@cli_errors
+def tp_bench(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    tp: int = typer.Option(2, "--tp", min=2, help="Ranks (start every rank under mlx.launch with this same command)."),
+    batches: str = typer.Option("1,32,64", "--batches", help="Batch sizes: 1 gives the B=1 decode arm, the others aggregates."),
+    prompt_len: int = typer.Option(64, "--prompt-len", min=1),
+    gen: int = typer.Option(128, "--gen", min=2),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+    prefill_len: int = typer.Option(512, "--prefill-len", min=2),
+    out: Optional[Path] = typer.Option(None, "--out", help="JSON result (default reports/results/tp-<model>-<time>.json)."),
+) -> None:
+    """Tensor parallel: our engine sharded over --tp ranks vs our engine on rank 0's device alone, one run."""
+    from mlxb.bench.tp import allreduce_cost, model_shape, run
+    from mlxb.engine.tp import Link, init_group, run_follower, shard_model
+    from mlxb.models import load_model
+
+    bs = _ints(batches, "--batches", "1,32,64")
+    link = Link(init_group(tp))
+    sharded, tok, spec, _ = load_model(model, dtype, lazy=True)
+    hidden, layers, dt = model_shape(sharded)
+    cost = allreduce_cost(link, hidden, layers, dt, sorted(set(bs)))  # every rank, before the engines
+    shard_model(sharded, link.group, spec.name)
+    if link.rank != 0:
+        raise typer.Exit(run_follower(sharded, link))
+    full = load_model(model, dtype)[0]
+    with console.status("benchmarking ...") as status:
+        res = run(full, sharded, tok, link, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats,
+                  prefill_len=prefill_len, progress=lambda s: status.update(f"benchmarking: {s}"))
+    res["allreduce"] = cost
+    t = Table(title=f"mlxb bench tp — {spec.name}, TP={tp} vs one device (ratio = TP{tp} / TP1)")
+    for c in ("metric", "B", f"TP{tp} (median)", "TP1 (median)", "ratio min", "ratio median", "ratio max"):
+        t.add_column(c)
+    for r in res["summary"]:
+        t.add_row(r["metric"].removesuffix("_tps").replace("_", " "), str(r["B"]), f"{r['tp_median']:.1f}",
+                  f"{r['one_median']:.1f}", f"{r['ratio_min']:.3f}", f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
+    console.print(t)
+    for c in cost:
+        console.print(f"all_sum [B={c['B']}, 1, {hidden}] ({c['bytes']} bytes): {c['one_ms']:.3f} ms each, "
+                      f"{c['per_step_ms']:.2f} ms per decode step ({c['reduces_per_step']} reductions)")
+    _write(res, f"tp{tp}", spec, out)
