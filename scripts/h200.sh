@@ -97,4 +97,24 @@ print(d['ok'], d['machine_key'], dict(c)); print([x['case']+' '+x['against'] for
     done
     MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m $m --spec lookup --batches ${BATCHES:-1,8} --context ${CONTEXT:-512} \
       --gen ${GEN:-96} --repeats ${REPEATS:-2} --out "$OUT/spec-lookup.json" 2>&1 | grep -v Warning | tail -14 ;;
+  tp)  # nvidia-h200-x2: tensor parallel over NCCL. TP=2 vs one GPU (our engine both sides, one run), then served 32 clients
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    L="python3 /tmp/site/bin/mlx.launch --backend nccl -n 2 --"
+    if [ "${PART:-bench}" = bench ]; then
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout ${LIMIT:-400} $L python3 -m mlxb.commands.main bench tp -m /var/tmp/$m --tp 2 --batches ${BATCHES:-1,32,64} \
+        --prompt-len 128 --gen 128 --repeats ${REPEATS:-3} --prefill-len 2048 --out "$OUT/tp2-$m.json" 2>&1 | grep -v "NCCL INFO\|Warning" | tail -24
+    else  # served: the same 32-client load on --tp 2 and on one GPU
+      mkdir -p /tmp/bench && cd /tmp/bench
+      for tp in 2 1; do
+        if [ $tp = 2 ]; then $L python3 -m mlxb.commands.main serve -m /var/tmp/$m --tp 2 --batch 64 --port 8400 > "$OUT/serve-tp2.log" 2>&1 &
+        else python3 -m mlxb.commands.main serve -m /var/tmp/$m --batch 64 --port 8400 > "$OUT/serve-tp1.log" 2>&1 & fi
+        for i in $(seq 240); do curl -sf localhost:8400/health >/dev/null && break; sleep 1; done
+        mlxb bench load --base-url http://127.0.0.1:8400/v1 -m /var/tmp/$m --stack mlxb-tp$tp --concurrency ${LEVELS:-32} \
+          --requests ${REQUESTS:-64} --input-len 400 --output-len 128 --repeats ${REPEATS:-2} 2>&1 | tail -8
+        curl -s localhost:8400/stats > "$OUT/stats-tp$tp.json"
+        pkill -TERM -f "serve -m /var/tmp/$m --tp 2" ; pkill -TERM -f "serve -m /var/tmp/$m --batch 64"; sleep 8
+      done
+      tar czf "$OUT/tp-serve-results.tgz" reports/results
+    fi ;;
 esac
