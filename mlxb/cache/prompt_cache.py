@@ -144,7 +144,10 @@ class PromptCache:
     def _probe_shapes(self, model) -> list:
         from mlx_lm.models.cache import make_prompt_cache
 
+        from mlxb.cache.protocol import base_forward
+
         caches = make_prompt_cache(model)
+        base_forward(model)
         model(mx.array([[0]]), cache=caches)
         mx.eval([c.state for c in caches])
         return [self._layer_shape(c, k) for c, k in zip(caches, self.kinds)]

@@ -277,6 +277,13 @@ def nbytes(cache) -> int:
         return 0
 
 
+def base_forward(model) -> None:
+    """Before a probe forward outside the runner: LoRA rows off (an earlier engine's slots would not fit)."""
+    lora = getattr(model, "mlxb_lora", None)
+    if lora is not None:
+        lora.set([-1])
+
+
 def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjection:
     """Per-layer KV bytes measured from one real 1-token forward (dtype and head shapes included).
     With a quantized scheme (--kv-bits), full-attention and sliding-window layers hold
@@ -287,6 +294,7 @@ def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjectio
     from mlxb.cache.kv_plan import as_plan
 
     caches = make_prompt_cache(model)
+    base_forward(model)
     model(mx.array([[0]]), cache=caches)
     mx.eval([c.state for c in caches])
     plan = as_plan(scheme, len(caches))

@@ -102,7 +102,11 @@ class MultiLoRALinear(nn.Module):
         if one is not None:
             z = (x @ self.lora_a[one]) @ self.lora_b[one]
             return y + (self._scales[one] * z).astype(x.dtype)
-        z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=ids), self.lora_b, rhs_indices=ids)
+        if x.shape[-2] == 1:  # decode: one token per row, each row's factors gathered by the matmul
+            z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=ids), self.lora_b, rhs_indices=ids)
+        else:  # NOTE: prefill rows of L > 1 tokens: a batched matmul over each row's taken factors (the same
+            # products; MLX's CUDA gather_mm failed to launch at B=8 x L=256 on an 8B model: "invalid argument")
+            z = (x @ mx.take(self.lora_a, ids, axis=0)) @ mx.take(self.lora_b, ids, axis=0)
         s = self._ctx.row_scale.astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
         return y + (s * z).astype(x.dtype)
 
