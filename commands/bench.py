@@ -256,8 +256,14 @@ def engine(
     repeats: int = typer.Option(3, "--repeats", min=1),
     prefill_len: int = typer.Option(512, "--prefill-len", min=2),
     out: Optional[Path] = typer.Option(None, "--out", help="JSON result file (default reports/results/engine-<model>-<time>.json)."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel: run `mlxb bench tp` (our engine over N ranks vs one device; start every rank under mlx.launch)."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
+    if tp > 1:
+        from mlxb.commands.bench_self import tp_bench
+
+        return tp_bench.__wrapped__(model=model, dtype=dtype, tp=tp, batches=batches, prompt_len=prompt_len, gen=gen,
+                                    repeats=repeats, prefill_len=prefill_len, out=out)
     from mlxb.bench.engine import run
     from mlxb.doctor import report
     from mlxb.errors import ValidationError

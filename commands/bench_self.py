@@ -171,7 +171,8 @@ def tp_bench(
 ) -> None:
     """Tensor parallel: our engine sharded over --tp ranks vs our engine on rank 0's device alone, one run."""
     from mlxb.bench.tp import allreduce_cost, model_shape, run
-    from mlxb.engine.tp import Link, init_group, run_follower, shard_model
+    from mlxb.engine.tp import Link, init_group, shard_model
+    from mlxb.engine.tp_follower import run_follower
     from mlxb.models import load_model
 
     bs = _ints(batches, "--batches", "1,32,64")

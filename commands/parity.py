@@ -127,7 +127,8 @@ def _tp_link(tp: int, models, dtype, all_):
     rank 0's engine until it is done (then this process exits)."""
     if tp <= 1:
         return None
-    from mlxb.engine.tp import Link, init_group, run_follower, shard_model
+    from mlxb.engine.tp import Link, init_group, shard_model
+    from mlxb.engine.tp_follower import run_follower
     from mlxb.errors import ValidationError
     from mlxb.models import load_model
 

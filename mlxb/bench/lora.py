@@ -21,6 +21,7 @@ import numpy as np
 
 from mlxb.bench.kv import _decode_tps
 from mlxb.engine.engine import Engine
+from mlxb.engine.warmup import warm_up
 
 
 def _fused(source: str, folder: str):
@@ -49,8 +50,13 @@ def run(source: str, *, adapters: int = 4, rank: int = 8, batches=(8, 32), conte
     model, tok, *_ = load_model(source)
     install(model, [read_adapter(f"a{i}", f) for i, f in enumerate(folders)])
     fmodel, ftok = _fused(source, folders[0])
-    lora = Engine(model, tok, max_batch=max(batches), prefill_chunk=prefill_chunk).start()
-    fused = Engine(fmodel, ftok, max_batch=max(batches), prefill_chunk=prefill_chunk).start()
+    # NOTE: warmed on this thread before they start, as `mlxb serve` does: on the H200 the lora engine's
+    # first prefill on its fresh thread failed (mx.array from a list: "cudaMemcpy ... invalid argument")
+    lora = Engine(model, tok, max_batch=max(batches), prefill_chunk=prefill_chunk)
+    fused = Engine(fmodel, ftok, max_batch=max(batches), prefill_chunk=prefill_chunk)
+    for e in (lora, fused):
+        warm_up(e)
+        e.start()
     vocab = int(getattr(model.args, "vocab_size", 8192))
     rng = np.random.default_rng(0)
     rows = []

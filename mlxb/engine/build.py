@@ -118,7 +118,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             raise ValidationError(str(e), param="kv_bits") from None
     m, tok, spec_, path = load_model(model, dtype, lazy=link is not None)
     if link is not None:  # each rank keeps its shard of the weights (and of every KV row)
-        from mlxb.engine.tp import run_follower, shard_model
+        from mlxb.engine.tp import shard_model
+        from mlxb.engine.tp_follower import run_follower
 
         shard_model(m, link.group, spec_.name)
         prompt_cache = False  # not mirrored across ranks (mlxb.engine.tp)

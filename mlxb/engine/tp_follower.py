@@ -1,0 +1,115 @@
+"""The follower side of ``--tp`` (ranks other than 0): replay rank 0's runner calls on this shard.
+
+Rank 0's ``mlxb.engine.tp.TPRunner`` sends each call as int32 words (see that module for the
+protocol); ``follow`` decodes them in order and runs the same ``Runner`` methods, so every rank's KV
+shard goes through the same joins, filters and steps. The follower samples nothing of its own:
+tokens reach it inside each step's graph (``Link.share``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from mlxb.engine.runner import FAULTS, Runner
+from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DROP, ENGINE, FILTER, FIRST, FORGET, JOIN, JOIN_COHORT, JOIN_MODES,
+                            NEW, PING, STOP, Link)
+from mlxb.request import Request
+
+
+def _plan_from(words: list[int], n: int):
+    from mlxb.cache.kv_plan import KVPlan, KVScheme
+
+    if words[0] == -1:
+        return None, 1
+    start = words[0]
+    layers = [KVScheme(words[1 + 2 * i], words[2 + 2 * i], start) if words[1 + 2 * i] else None for i in range(n)]
+    return KVPlan(layers, start), 1 + 2 * n
+
+
+def run_follower(model, link: Link) -> int:
+    """A rank other than 0: replay rank 0's runner calls on this shard until it says STOP."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 stops them (STOP)
+    return follow(model, link)
+
+
+def _engine(model, w: list[int], i: int) -> tuple[Runner, int]:
+    """ENGINE: the runner rank 0 just built, then the KV projection forward its Engine runs next."""
+    from mlxb.cache.protocol import kv_projection, layer_kinds
+
+    kinds = layer_kinds(model)
+    join_full, mask = JOIN_MODES[w[i + 1]], w[i + 2]
+    plan, used = _plan_from(w[i + 3 :], len(kinds))
+    runner = Runner(model, kinds, join_full=join_full, faults=frozenset(f for k, f in enumerate(FAULTS) if mask >> k & 1),
+                    kv_scheme=plan)
+    if all(k is not None for k in kinds):
+        kv_projection(model, kinds, runner.kv)
+    return runner, i + 3 + used
+
+
+def follow(model, link: Link) -> int:
+    """The follower's loop: one message at a time, its ops in order."""
+    runner: Optional[Runner] = None
+    rows: dict[int, object] = {}
+    cohort = None
+    while True:
+        w = link.recv()
+        i = 0
+        while i < len(w):
+            op = w[i]
+            if op == ENGINE:
+                runner, i = _engine(model, w, i)
+                runner.share = link.share
+                rows, cohort = {}, None
+            elif op == NEW:
+                key, n = w[i + 1], w[i + 2]
+                rows[key] = runner.new_row(Request(f"tp-{key}", w[i + 3 : i + 3 + n], max_tokens=1 << 30))
+                i += 3 + n
+            elif op == CHUNK:
+                runner.prefill_chunk(rows[w[i + 1]], w[i + 2], w[i + 3], bool(w[i + 4]))
+                i += 5
+            elif op == FIRST:
+                runner.first_token(rows[w[i + 1]])
+                i += 2
+            elif op == COHORT:
+                n = w[i + 1]
+                cohort = runner.prefill_cohort([rows[k] for k in w[i + 2 : i + 2 + n]], w[i + 2 + n : i + 2 + 2 * n])[0]
+                i += 2 + 2 * n
+            elif op == JOIN_COHORT:
+                n = w[i + 1]
+                keys, tokens = w[i + 2 : i + 2 + n], w[i + 2 + n : i + 2 + 2 * n]
+                m = w[i + 2 + 2 * n]
+                keep = w[i + 3 + 2 * n : i + 3 + 2 * n + m]
+                runner.join_cohort(cohort, [rows[k] for k in keys], tokens, keep)
+                cohort = None
+                i += 3 + 2 * n + m
+            elif op == JOIN:
+                runner.join(rows[w[i + 1]], w[i + 2])
+                i += 3
+            elif op == DECODE:
+                runner.decode_step()
+                i += 1
+            elif op == FILTER:
+                n = w[i + 1]
+                runner.filter(w[i + 2 : i + 2 + n])
+                i += 2 + n
+            elif op == DROP:
+                runner.drop_all()
+                i += 1
+            elif op == FORGET:
+                n = w[i + 1]
+                for k in w[i + 2 : i + 2 + n]:
+                    rows.pop(k, None)
+                i += 2 + n
+            elif op == PING:
+                i += 1
+            elif op == STOP:
+                if runner is not None:
+                    runner.drop_all()
+                mx.synchronize()
+                return 0
+            else:
+                raise RuntimeError(f"rank {link.rank}: unknown tensor-parallel op {op} (ranks out of step)")
