@@ -97,6 +97,22 @@ print(d['ok'], d['machine_key'], dict(c)); print([x['case']+' '+x['against'] for
     done
     MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m $m --spec lookup --batches ${BATCHES:-1,8} --context ${CONTEXT:-512} \
       --gen ${GEN:-96} --repeats ${REPEATS:-2} --out "$OUT/spec-lookup.json" 2>&1 | grep -v Warning | tail -14 ;;
+  stop)  # mlxb serve on the 8B shape stopped with SIGINT right after a served benchmark, 3 times: exit code, last lines
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    mkdir -p /tmp/bench && cd /tmp/bench
+    for i in 1 2 3; do
+      python3 -m mlxb.commands.main serve -m /var/tmp/$m --batch 32 --port 8400 > "$OUT/stop-$i.log" 2>&1 & pid=$!
+      for k in $(seq 240); do curl -sf localhost:8400/health >/dev/null && break; sleep 1; done
+      mlxb bench load --base-url http://127.0.0.1:8400/v1 -m /var/tmp/$m --concurrency 8 --requests 16 --input-len 200 \
+        --output-len 64 > "$OUT/stop-load-$i.txt" 2>&1
+      kill -INT $pid; wait $pid; echo "run $i: serve exit $?; $(grep -c -i 'segmentation\|terminate called\|abort' "$OUT/stop-$i.log") crash lines"
+      tail -2 "$OUT/stop-$i.log"
+    done
+    cd - >/dev/null
+    python3 -c "import mlx.core as mx; from mlxb.cache.protocol import mask_free_is_exact as f
+for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('mask-free exact', h, d, f(mx.zeros((8, 8, 64, h), dtype=d)))"
+    python3 scripts/mask_cost.py /var/tmp/$m --batches ${BATCHES:-8,32,64} 2>&1 | grep -v Warning | tee "$OUT/mask-cost-$m.txt" ;;
   tp)  # nvidia-h200-x2: tensor parallel over NCCL. TP=2 vs one GPU (our engine both sides, one run), then served 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
