@@ -257,8 +257,19 @@ def engine(
     prefill_len: int = typer.Option(512, "--prefill-len", min=2),
     out: Optional[Path] = typer.Option(None, "--out", help="JSON result file (default reports/results/engine-<model>-<time>.json)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel: run `mlxb bench tp` (our engine over N ranks vs one device; start every rank under mlx.launch)."),
+    adapters: int = typer.Option(0, "--adapters", min=0, max=64, help="LoRA: run `mlxb bench lora` with this many random-weight adapters mixed (vs no adapter, one adapter, and mlx-lm's fused model)."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
+    if adapters and tp > 1:
+        from mlxb.errors import ValidationError
+
+        raise ValidationError("--adapters and --tp measure different things; give one of them")
+    if adapters:
+        from mlxb.commands.bench_self import lora_bench
+
+        return lora_bench.__wrapped__(model=model, adapters=adapters, rank=8,
+                                      batches=batches if batches != "1,2,4,8" else "8,32", context=prompt_len,
+                                      gen=gen, repeats=repeats, out=out)
     if tp > 1:
         from mlxb.commands.bench_self import tp_bench
 

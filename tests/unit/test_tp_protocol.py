@@ -1,0 +1,174 @@
+"""The --tp message protocol without a model or a second process: what rank 0's runner sends for each
+call, and that the follower replays exactly those calls, in order, with the same arguments."""
+
+import mlx.core as mx
+
+from mlxb.cache.kv_plan import KVPlan, KVScheme
+from mlxb.engine import tp, tp_follower
+from mlxb.engine.runner import FAULTS
+
+
+class FakeLink:
+    """Rank 0's messages land in a list; the follower reads them back from it."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.sent: list[list[int]] = []
+        self.busy_since = None
+        self.busy_kind = "work"
+        self.messages = self.words = 0
+        self.channel = "test"
+
+    def send(self, words):
+        self.sent.append(list(words))
+
+    def recv(self):
+        return self.sent.pop(0)
+
+    def share(self, a):
+        return a
+
+
+class Row:
+    def __init__(self, key):
+        self.tp_key = key
+
+
+class Recorder:
+    """Stands in for the follower's Runner: records every call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def new_row(self, req):
+        self.calls.append(("new", req.prompt_ids))
+        return ("row", len(self.calls))
+
+    def prefill_chunk(self, row, start, end, is_last):
+        self.calls.append(("chunk", row, start, end, is_last))
+
+    def first_token(self, row):
+        self.calls.append(("first", row))
+
+    def prefill_cohort(self, rows, starts):
+        self.calls.append(("cohort", rows, list(starts)))
+        return ("cohort-caches", [])
+
+    def join_cohort(self, caches, rows, tokens, keep):
+        self.calls.append(("join_cohort", caches, rows, list(tokens), list(keep)))
+
+    def join(self, row, token):
+        self.calls.append(("join", row, token))
+
+    def decode_step(self):
+        self.calls.append(("decode",))
+
+    def filter(self, keep):
+        self.calls.append(("filter", list(keep)))
+
+    def drop_all(self):
+        self.calls.append(("drop",))
+
+
+def test_plan_words_round_trip():
+    plan = KVPlan([KVScheme(4, 64, 16), None, KVScheme(8, 32, 16)], 16)
+    words = tp._plan_words(plan, 3)
+    back, used = tp_follower._plan_from(words + [99, 98], 3)
+    assert used == len(words) == 7
+    assert [None if s is None else (s.bits, s.group_size, s.start) for s in back.layers] == [(4, 64, 16), None, (8, 32, 16)]
+    assert back.start == 16
+    assert tp_follower._plan_from(tp._plan_words(None, 3), 3) == (None, 1)
+
+
+def test_follower_replays_rank0_calls_in_order(monkeypatch):
+    link = FakeLink()
+    # rank 0's side of one engine's life, as TPRunner words (what _flush would send)
+    faults = sum(1 << i for i, f in enumerate(FAULTS) if f == "scalar_rope")
+    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, *tp._plan_words(None, 2)]
+    link.send(engine)
+    link.send([tp.NEW, 0, 3, 5, 6, 7, tp.NEW, 1, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
+    link.send([tp.FIRST, 0])
+    link.send([tp.JOIN, 0, 42, tp.COHORT, 1, 1, 0])
+    link.send([tp.JOIN_COHORT, 1, 1, 43, 1, 0, tp.DECODE])
+    link.send([tp.FILTER, 1, 1, tp.FORGET, 1, 0, tp.DECODE])
+    link.send([tp.PING])
+    link.send([tp.DROP, tp.STOP])
+    made = {}
+
+    def fake_engine(model, w, i):
+        made["args"] = (tp.JOIN_MODES[w[i + 1]], w[i + 2])
+        made["runner"] = Recorder()
+        return made["runner"], i + 3 + 1
+
+    monkeypatch.setattr(tp_follower, "_engine", fake_engine)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: None)
+    assert tp_follower.follow(None, link) == 0
+    assert made["args"] == ("merge", faults) and not link.sent
+    r0, r1 = ("row", 1), ("row", 2)
+    assert made["runner"].calls == [
+        ("new", [5, 6, 7]), ("new", [8, 9]), ("chunk", r0, 0, 2, True), ("first", r0), ("join", r0, 42),
+        ("cohort", [r1], [0]), ("join_cohort", "cohort-caches", [r1], [43], [0]), ("decode",),
+        ("filter", [1]), ("decode",), ("drop",), ("drop",),
+    ]
+
+
+def test_tprunner_batches_row_moves_into_the_next_message():
+    link = FakeLink()
+    sent_calls = []
+
+    class Base:
+        """Runner's methods, recorded (no model)."""
+
+        def __init__(self, model, kinds, **kw):
+            self.join_mode = {"full": kw.get("join_full", "extend")}
+            self.faults = kw.get("faults", frozenset())
+            self.kv = None
+
+        def new_row(self, req):
+            return Row(None)
+
+        def prefill_chunk(self, *a):
+            sent_calls.append("chunk")
+
+        def first_token(self, row):
+            sent_calls.append("first")
+
+        def join(self, row, token):
+            sent_calls.append("join")
+
+        def decode_step(self):
+            sent_calls.append("decode")
+            return []
+
+        def filter(self, keep):
+            sent_calls.append("filter")
+
+        def drop_all(self):
+            pass
+
+    orig = tp.TPRunner.__bases__
+    tp.TPRunner.__bases__ = (Base,)  # the mirroring alone, over recorded Runner methods
+    try:
+        _drive(link, sent_calls)
+    finally:
+        tp.TPRunner.__bases__ = orig
+
+
+def _drive(link, sent_calls):
+    r = tp.TPRunner(None, ["full", "full"], link=link, join_full="extend")
+    assert link.sent[0][:3] == [tp.ENGINE, 0, 0]  # announced at once: the KV projection forward follows
+
+    class Req:
+        prompt_ids = [5, 6, 7]
+
+    row = r.new_row(Req())
+    assert link.sent[-1][0] == tp.ENGINE  # a new row rides along with the next call, not alone
+    r.prefill_chunk(row, 0, 2, True)
+    assert link.sent[-1] == [tp.NEW, row.tp_key, 3, 5, 6, 7, tp.CHUNK, row.tp_key, 0, 2, 1]
+    r.join(row, 42)
+    r.filter([0])
+    r.decode_step()
+    assert link.sent[-1] == [tp.JOIN, row.tp_key, 42, tp.FILTER, 1, 0, tp.DECODE]
+    assert sent_calls == ["chunk", "join", "filter", "decode"]
+    assert len(link.sent) == 3  # engine, chunk, decode: one message per model call
