@@ -89,6 +89,7 @@ class MultiLoRALinear(nn.Module):
         self._ctx = ctx
         self.lora_a, self.lora_b, self.lora_scale = a, b, scale  # [n, in, r], [n, r, out], [n]
         self._scales = [float(v) for v in scale.tolist()]
+        self._each = [(a[i], b[i]) for i in range(a.shape[0])]  # one adapter's factors: views, sliced once
         self.freeze()
 
     def __call__(self, x):
@@ -100,15 +101,20 @@ class MultiLoRALinear(nn.Module):
             raise RuntimeError(f"LoRA slots for {ids.shape[0]} rows, forward over {x.shape[0]}")
         one = self._ctx.one
         if one is not None:
-            z = (x @ self.lora_a[one]) @ self.lora_b[one]
-            return y + (self._scales[one] * z).astype(x.dtype)
+            a, b = self._each[one]
+            return y + _as(self._scales[one] * ((x @ a) @ b), x.dtype)
         if x.shape[-2] == 1:  # decode: one token per row, each row's factors gathered by the matmul
             z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=ids), self.lora_b, rhs_indices=ids)
         else:  # NOTE: prefill rows of L > 1 tokens: a batched matmul over each row's taken factors (the same
             # products; MLX's CUDA gather_mm failed to launch at B=8 x L=256 on an 8B model: "invalid argument")
             z = (x @ mx.take(self.lora_a, ids, axis=0)) @ mx.take(self.lora_b, ids, axis=0)
         s = self._ctx.row_scale.astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
-        return y + (s * z).astype(x.dtype)
+        return y + _as(s * z, x.dtype)
+
+
+def _as(z: mx.array, dtype) -> mx.array:
+    """mlx-lm's ``(scale * z).astype(x.dtype)``, without the op when the dtype already matches (same values)."""
+    return z if z.dtype == dtype else z.astype(dtype)
 
 
 def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None) -> LoRAContext:
@@ -143,5 +149,8 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
         swaps.append((path, MultiLoRALinear(base, ctx, mx.stack(A), mx.stack(B), scale)))
     model.update_modules(tree_unflatten(swaps))
     mx.eval(model.parameters())
+    # NOTE: the per-adapter views too, here: an array left lazy on this thread's stream cannot be
+    # evaluated later on the engine thread ("There is no Stream(cpu, 0) in current thread")
+    mx.eval([t for _, m in swaps for pair in m._each for t in pair])
     model.mlxb_lora = ctx  # the engine's runner finds it here
     return ctx
