@@ -44,7 +44,7 @@ def serve(
     max_loras: Optional[int] = typer.Option(None, "--max-loras", min=1, help="Refuse to start with more adapters than this."),
     max_lora_rank: Optional[int] = typer.Option(None, "--max-lora-rank", min=1, help="Refuse to start with an adapter of a higher rank."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel over N processes started by mlx.launch (ring on CPUs/Macs, nccl on CUDA GPUs); every rank runs this same command. See the README."),
-    tp_timeout: float = typer.Option(15.0, "--tp-timeout", min=1.0, help="--tp: a mirrored step that waits longer than this for another rank marks the server failed (/health 503) and exits it (code 70); an idle server notices within 3 s."),
+    tp_timeout: float = typer.Option(60.0, "--tp-timeout", min=1.0, help="--tp: a mirrored step (a prefill chunk or a decode step) that takes longer than this marks the server failed (/health 503) and exits it (code 70): a rank died or hung. Above your slowest prefill chunk. An idle server notices within 3 s."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""

@@ -102,7 +102,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
                   spec_max_batch: int = 1, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
-                  max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 15.0,
+                  max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 60.0,
                   **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     link = tp_link(tp, batch=batch, spec=spec or draft_model, adapters=adapters) if tp > 1 else None
