@@ -153,8 +153,13 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     if link is not None:
         from functools import partial
 
+        from mlxb.cache.protocol import layer_kinds
         from mlxb.engine.tp import TPRunner
+        from mlxb.errors import ValidationError
 
+        if any(k is None for k in layer_kinds(m)):  # the serial lane (mlx-lm's generate_step) is one process
+            raise ValidationError(f"{spec_.name} has cache layers the batch lane does not know, so it runs on the "
+                                  "serial lane, which --tp does not mirror; run it without --tp", param="tp")
         engine_kw["runner_cls"] = partial(TPRunner, link=link)
     try:
         engine = Engine(m, tok, max_batch=batch, prefill_chunk=prefill_chunk, kv_budget=kv_budget,
