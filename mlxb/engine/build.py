@@ -105,7 +105,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 60.0,
                   **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
-    link = tp_link(tp, batch=batch, spec=spec or draft_model, adapters=adapters) if tp > 1 else None
+    link = tp_link(tp, batch=batch, spec=spec or draft_model) if tp > 1 else None
     scheme = None
     if kv_bits is not None:
         from mlxb.cache.kv_plan import KVScheme
@@ -186,17 +186,16 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     return gw
 
 
-def tp_link(tp: int, *, batch: int, spec, adapters):
+def tp_link(tp: int, *, batch: int, spec):
     """``--tp N``: refuse what is not mirrored across ranks yet, then join the ``mlx.launch`` group."""
     from mlxb.errors import ValidationError
 
     if batch <= 1:
         raise ValidationError("--tp runs on the batch lane; --batch 1 (the strict serial path) is one process only: "
                               "use --batch 2 or more with --tp", param="tp")
-    for given, what in ((spec, "--spec / --draft-model"), (adapters, "--adapters")):
-        if given:
-            raise ValidationError(f"{what} is not available with --tp yet (not mirrored across ranks); leave it out "
-                                  "or run without --tp", param="tp")
+    if spec:
+        raise ValidationError("--spec / --draft-model is not available with --tp yet (not mirrored across ranks); "
+                              "leave it out or run without --tp", param="tp")
     from mlxb.engine.tp import Link, init_group
 
     return Link(init_group(tp))

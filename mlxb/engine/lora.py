@@ -83,10 +83,11 @@ class LoRAContext:
 
 
 class MultiLoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, ctx: LoRAContext, a: mx.array, b: mx.array, scale: mx.array):
+    def __init__(self, base: nn.Module, ctx: LoRAContext, a: mx.array, b: mx.array, scale: mx.array, group=None):
         super().__init__()
         self.base = base
         self._ctx = ctx
+        self._group = group  # --tp, over a sharded-to-all layer: x @ A is a partial sum over the ranks
         self.lora_a, self.lora_b, self.lora_scale = a, b, scale  # [n, in, r], [n, r, out], [n]
         self._scales = [float(v) for v in scale.tolist()]
         self._each = [(a[i], b[i]) for i in range(a.shape[0])]  # one adapter's factors: views, sliced once
@@ -102,14 +103,18 @@ class MultiLoRALinear(nn.Module):
         one = self._ctx.one
         if one is not None:
             a, b = self._each[one]
-            return y + _as(self._scales[one] * ((x @ a) @ b), x.dtype)
+            return y + _as(self._scales[one] * (self._sum(x @ a) @ b), x.dtype)
         if x.shape[-2] == 1:  # decode: one token per row, each row's factors gathered by the matmul
-            z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=ids), self.lora_b, rhs_indices=ids)
+            z = mx.gather_mm(self._sum(mx.gather_mm(x, self.lora_a, rhs_indices=ids)), self.lora_b, rhs_indices=ids)
         else:  # NOTE: prefill rows of L > 1 tokens: a batched matmul over each row's taken factors (the same
             # products; MLX's CUDA gather_mm failed to launch at B=8 x L=256 on an 8B model: "invalid argument")
-            z = (x @ mx.take(self.lora_a, ids, axis=0)) @ mx.take(self.lora_b, ids, axis=0)
+            z = self._sum(x @ mx.take(self.lora_a, ids, axis=0)) @ mx.take(self.lora_b, ids, axis=0)
         s = self._ctx.row_scale.astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
         return y + _as(s * z, x.dtype)
+
+
+    def _sum(self, xa: mx.array) -> mx.array:
+        return xa if self._group is None else mx.distributed.all_sum(xa, group=self._group)
 
 
 def _as(z: mx.array, dtype) -> mx.array:
@@ -117,8 +122,36 @@ def _as(z: mx.array, dtype) -> mx.array:
     return z if z.dtype == dtype else z.astype(dtype)
 
 
+# mlx-lm architectures whose Model.shard() splits every projection into equal contiguous parts
+# (no fused segments), so an adapter's factors can be split the same way under --tp
+TP_LORA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "ministral3")
+
+
+def _sharding(base) -> Optional[str]:
+    """How ``--tp`` split this linear layer: "out" (all-to-sharded), "in" (sharded-to-all) or None."""
+    name = type(base).__name__
+    return "out" if "AllToSharded" in name else "in" if "ShardedToAll" in name else None
+
+
+def _shard_factors(path: str, base, kind: Optional[str], la: mx.array, lb: mx.array) -> tuple[mx.array, mx.array]:
+    """This rank's part of an adapter's factors: B's output columns under an all-to-sharded layer, A's
+    input rows under a sharded-to-all one (its partial ``x @ A`` is then summed over the ranks)."""
+    if kind is None:
+        return la, lb
+    n, rank = base.group.size(), base.group.rank()
+    full, have = (lb.shape[1], base.weight.shape[0]) if kind == "out" else (la.shape[0], la.shape[0] // n)
+    if kind == "out" and full != n * have:
+        raise ValidationError(f"LoRA on {path}: its factors do not split over --tp {n} like the layer does")
+    if kind == "out":
+        return la, lb[:, rank * have : (rank + 1) * have]
+    if full % n:
+        raise ValidationError(f"LoRA on {path}: {full} input features do not split over --tp {n}")
+    return la[rank * have : (rank + 1) * have], lb
+
+
 def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None) -> LoRAContext:
-    """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters."""
+    """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters (under
+    ``--tp``, on a sharded model: each rank keeps its part of the factors)."""
     ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
     ctx.scales = [a.scale for a in adapters]
     modules = dict(model.named_modules())
@@ -131,22 +164,30 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
             raise ValidationError(f"adapter {a.name!r} does not fit this model: no module {unknown[0]!r}")
     r = max(a.rank for a in adapters)
     swaps = []
+    sharded = any(_sharding(m) for m in modules.values())
+    mtype = getattr(getattr(model, "args", None), "model_type", None)
+    if sharded and mtype not in TP_LORA_MODEL_TYPES:
+        raise ValidationError(f"LoRA adapters under --tp are supported for {', '.join(TP_LORA_MODEL_TYPES)} models, not "
+                              f"{mtype} (its sharding may split fused projections); run it without --tp", param="adapters")
     for path in paths:
         base = modules[path]
-        if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+        kind = _sharding(base)
+        quant = isinstance(base, nn.QuantizedLinear) or "Quantized" in type(base).__name__
+        if not isinstance(base, (nn.Linear, nn.QuantizedLinear)) and kind is None:
             raise ValidationError(f"LoRA on {path} ({type(base).__name__}) is not supported; only Linear layers")
         out_dim = base.weight.shape[0]
-        in_dim = base.weight.shape[1] * (32 // base.bits if isinstance(base, nn.QuantizedLinear) else 1)
-        dt = base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
+        in_dim = base.weight.shape[1] * (32 // base.bits if quant else 1)
+        dt = base.scales.dtype if quant else base.weight.dtype
         A = [mx.zeros((in_dim, r), dtype=dt) for _ in adapters]
         B = [mx.zeros((r, out_dim), dtype=dt) for _ in adapters]
         for i, ad in enumerate(adapters):
             if f"{path}.lora_a" in ad.weights:
-                la, lb = ad.weights[f"{path}.lora_a"], ad.weights[f"{path}.lora_b"]
+                la, lb = _shard_factors(path, base, kind, ad.weights[f"{path}.lora_a"], ad.weights[f"{path}.lora_b"])
                 A[i] = mx.pad(la, [(0, 0), (0, r - la.shape[1])]) if la.shape[1] < r else la
                 B[i] = mx.pad(lb, [(0, r - lb.shape[0]), (0, 0)]) if lb.shape[0] < r else lb
         scale = mx.array([a.scale for a in adapters], dtype=mx.float32)
-        swaps.append((path, MultiLoRALinear(base, ctx, mx.stack(A), mx.stack(B), scale)))
+        swaps.append((path, MultiLoRALinear(base, ctx, mx.stack(A), mx.stack(B), scale,
+                                            group=base.group if kind == "in" else None)))
     model.update_modules(tree_unflatten(swaps))
     mx.eval(model.parameters())
     # NOTE: the per-adapter views too, here: an array left lazy on this thread's stream cannot be

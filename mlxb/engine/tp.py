@@ -29,7 +29,9 @@ How the ranks stay in step (``TPRunner`` on rank 0):
   the process non-zero, which makes ``mlx.launch`` stop the other ranks.
 
 Not mirrored yet, and therefore refused or off under ``--tp``: the prompt cache (each rank would
-need the same entries), speculative decoding, LoRA adapters, ``--batch 1`` (the serial lane).
+need the same entries), speculative decoding, ``--batch 1`` (the serial lane). LoRA adapters work:
+each rank keeps its part of every adapter's factors (``mlxb.engine.lora.install``) and a row's
+adapter slot travels with its new-row message.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ class TPRunner(Runner):
         row = super().new_row(req)
         row.tp_key = key = self._next_key
         self._next_key += 1
-        self._queued += [NEW, key, len(req.prompt_ids), *req.prompt_ids]
+        self._queued += [NEW, key, req.adapter, len(req.prompt_ids), *req.prompt_ids]
         weakref.finalize(row, self._gone.append, key)
         return row
 
@@ -270,7 +272,7 @@ class TPRunner(Runner):
         return {"ranks": lk.size, "backend": backend_name(), "messages_over": lk.channel,
                 "kv_bytes_per": "rank", "messages": lk.messages,
                 "mean_words": round(lk.words / lk.messages, 2) if lk.messages else 0.0,
-                "not_mirrored": ["prompt cache", "speculation", "LoRA adapters", "--batch 1"]}
+                "not_mirrored": ["prompt cache", "speculation", "--batch 1"]}
 
     def close(self) -> None:
         """Clean stop: the other ranks leave their loops."""

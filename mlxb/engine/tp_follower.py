@@ -64,10 +64,10 @@ def follow(model, link: Link) -> int:
                 runner, i = _engine(model, w, i)
                 runner.share = link.share
                 rows, cohort = {}, None
-            elif op == NEW:
-                key, n = w[i + 1], w[i + 2]
-                rows[key] = runner.new_row(Request(f"tp-{key}", w[i + 3 : i + 3 + n], max_tokens=1 << 30))
-                i += 3 + n
+            elif op == NEW:  # key, LoRA adapter slot, prompt length, prompt ids
+                key, slot, n = w[i + 1], w[i + 2], w[i + 3]
+                rows[key] = runner.new_row(Request(f"tp-{key}", w[i + 4 : i + 4 + n], max_tokens=1 << 30, adapter=slot))
+                i += 4 + n
             elif op == CHUNK:
                 runner.prefill_chunk(rows[w[i + 1]], w[i + 2], w[i + 3], bool(w[i + 4]))
                 i += 5

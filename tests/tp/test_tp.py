@@ -142,6 +142,52 @@ def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank():
         one.wait(timeout=30)
 
 
+def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path):
+    """Two adapters and the base, concurrent, at --tp 2: each rank holds its part of the factors (a
+    sharded-to-all layer sums x @ A over the ranks); the text equals one process with the same adapters."""
+    for name, rank, seed in (("a", 8, 1), ("b", 4, 2)):
+        subprocess.run(MLXB + ["models", "build-adapter", name, "--base", "tiny-llama", "--rank", str(rank), "--seed",
+                               str(seed), "--out", str(tmp_path / name)], check=True, capture_output=True, timeout=120)
+    flag = ["--adapters", f"a={tmp_path / 'a'},b={tmp_path / 'b'}"]
+    asks = [("tiny-llama:a", "one two"), ("tiny-llama:b", "one two"), ("tiny-llama", "one two"), ("tiny-llama:a", "def f():")]
+
+    def run(url):
+        out = [None] * len(asks)
+
+        def go(i):
+            time.sleep(0.1 * i)
+            r = httpx.post(url + "/v1/completions", json={"model": asks[i][0], "prompt": asks[i][1], "max_tokens": 16,
+                                                          "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text
+            out[i] = r.json()["choices"][0]["text"]
+
+        ts = [threading.Thread(target=go, args=(i,)) for i in range(len(asks))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return out
+
+    port = free_port()
+    proc, url = _start(port, *flag)
+    try:
+        texts = run(url)
+        assert len({texts[0], texts[1], texts[2]}) == 3  # the adapters change the text
+    finally:
+        os.kill(_rank_pids(port)[0], signal.SIGTERM)
+        proc.wait(timeout=60)
+    port1 = free_port()
+    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--no-prompt-cache", *flag], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        from tests.server.test_serve_cli import wait_healthy
+
+        assert run(wait_healthy(one, port1)) == texts
+    finally:
+        one.send_signal(signal.SIGTERM)
+        one.wait(timeout=30)
+
+
 def test_tp2_hung_rank_shows_in_health_and_rank0_exits_nonzero():
     port = free_port()
     proc, url = _start(port, "--no-warmup")

@@ -42,7 +42,7 @@ class Recorder:
         self.calls = []
 
     def new_row(self, req):
-        self.calls.append(("new", req.prompt_ids))
+        self.calls.append(("new", req.prompt_ids, req.adapter))
         return ("row", len(self.calls))
 
     def prefill_chunk(self, row, start, end, is_last):
@@ -87,7 +87,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     faults = sum(1 << i for i, f in enumerate(FAULTS) if f == "scalar_rope")
     engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, *tp._plan_words(None, 2)]
     link.send(engine)
-    link.send([tp.NEW, 0, 3, 5, 6, 7, tp.NEW, 1, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
+    link.send([tp.NEW, 0, -1, 3, 5, 6, 7, tp.NEW, 1, 2, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
     link.send([tp.FIRST, 0])
     link.send([tp.JOIN, 0, 42, tp.COHORT, 1, 1, 0])
     link.send([tp.JOIN_COHORT, 1, 1, 43, 1, 0, tp.DECODE])
@@ -107,7 +107,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     assert made["args"] == ("merge", faults) and not link.sent
     r0, r1 = ("row", 1), ("row", 2)
     assert made["runner"].calls == [
-        ("new", [5, 6, 7]), ("new", [8, 9]), ("chunk", r0, 0, 2, True), ("first", r0), ("join", r0, 42),
+        ("new", [5, 6, 7], -1), ("new", [8, 9], 2), ("chunk", r0, 0, 2, True), ("first", r0), ("join", r0, 42),
         ("cohort", [r1], [0]), ("join_cohort", "cohort-caches", [r1], [43], [0]), ("decode",),
         ("filter", [1]), ("decode",), ("drop",), ("drop",),
     ]
@@ -161,11 +161,12 @@ def _drive(link, sent_calls):
 
     class Req:
         prompt_ids = [5, 6, 7]
+        adapter = 1
 
     row = r.new_row(Req())
     assert link.sent[-1][0] == tp.ENGINE  # a new row rides along with the next call, not alone
     r.prefill_chunk(row, 0, 2, True)
-    assert link.sent[-1] == [tp.NEW, row.tp_key, 3, 5, 6, 7, tp.CHUNK, row.tp_key, 0, 2, 1]
+    assert link.sent[-1] == [tp.NEW, row.tp_key, 1, 3, 5, 6, 7, tp.CHUNK, row.tp_key, 0, 2, 1]
     r.join(row, 42)
     r.filter([0])
     r.decode_step()
