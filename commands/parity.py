@@ -137,9 +137,19 @@ def _tp_link(tp: int, models, dtype, all_):
     link = Link(init_group(tp))
     if link.rank != 0:
         t = _targets(models, dtype, False)[0]
-        m = load_model(*(t.load or (t.model, t.dtype)), lazy=True)[0]
-        shard_model(m, link.group, t.model)
-        raise typer.Exit(run_follower(m, link))
+        src = t.load or (t.model, t.dtype)
+
+        def shard(recipes=None):  # a fresh shard; lora cases: with the case's adapters, as rank 0 builds them
+            m = load_model(*src, lazy=True)[0]
+            shard_model(m, link.group, t.model)
+            if recipes:
+                from mlxb.engine.lora import install, read_adapter
+                from mlxb.models.adapters import ensure_adapters
+
+                install(m, [read_adapter(f"a{i}", f) for i, f in enumerate(ensure_adapters(*src, t.model, recipes))])
+            return m
+
+        raise typer.Exit(run_follower(shard(), link, shard))
     return link
 
 

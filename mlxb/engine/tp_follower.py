@@ -8,7 +8,7 @@ tokens reach it inside each step's graph (``Link.share``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -28,12 +28,19 @@ def _plan_from(words: list[int], n: int):
     return KVPlan(layers, start), 1 + 2 * n
 
 
-def run_follower(model, link: Link) -> int:
-    """A rank other than 0: replay rank 0's runner calls on this shard until it says STOP."""
+def run_follower(model, link: Link, reload: Optional[Callable] = None) -> int:
+    """A rank other than 0: replay rank 0's runner calls on this shard until it says STOP. ``reload(recipes)``
+    (parity) gives a fresh shard with those random-weight LoRA adapters installed (None: none)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 stops them (STOP)
-    return follow(model, link)
+    return follow(model, link, reload)
+
+
+def _recipes(w: list[int], i: int) -> tuple[Optional[list], int]:
+    n = w[i]
+    rs = [{"seed": w[i + 1 + 3 * k], "rank": w[i + 2 + 3 * k], "num_layers": w[i + 3 + 3 * k]} for k in range(n)]
+    return (rs or None), i + 1 + 3 * n
 
 
 def _engine(model, w: list[int], i: int) -> tuple[Runner, int]:
@@ -50,9 +57,17 @@ def _engine(model, w: list[int], i: int) -> tuple[Runner, int]:
     return runner, i + 3 + used
 
 
-def follow(model, link: Link) -> int:
+def _engine_end(model, w: list[int], i: int) -> int:
+    """Where an ENGINE message's KV plan ends (the plan's length depends on the model's layer count)."""
+    from mlxb.cache.protocol import layer_kinds
+
+    return i + 3 + _plan_from(w[i + 3 :], len(layer_kinds(model)))[1]
+
+
+def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
     """The follower's loop: one message at a time, its ops in order."""
     runner: Optional[Runner] = None
+    recipes = None  # the LoRA recipes the current shard carries (parity)
     rows: dict[int, object] = {}
     cohort = None
     while True:
@@ -61,7 +76,13 @@ def follow(model, link: Link) -> int:
         while i < len(w):
             op = w[i]
             if op == ENGINE:
+                want, _ = _recipes(w, _engine_end(model, w, i))
+                if want != recipes:  # another case's adapters (or none): a fresh shard, as rank 0 loaded
+                    if reload is None:
+                        raise RuntimeError(f"rank {link.rank}: rank 0 asks for LoRA recipes {want}, this follower cannot reload")
+                    model, recipes = reload(want), want
                 runner, i = _engine(model, w, i)
+                i = _recipes(w, i)[1]
                 runner.share = link.share
                 rows, cohort = {}, None
             elif op == NEW:  # key, LoRA adapter slot, prompt length, prompt ids

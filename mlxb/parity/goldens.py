@@ -103,7 +103,7 @@ def diff(old: dict, new: dict) -> list[str]:
     return lines
 
 
-def tp_envelope(root: Path, dtype: str, label: str = "") -> dict:
+def tp_envelope(root: Path, dtype: str, label: str = "", case: str = "") -> dict:
     """The envelope a tensor-parallel run may use where logits are not bit-equal (``--tp``): written by
     people from measured runs (``goldens/tp_envelope.json`` keeps the measurements next to it)."""
     p = root / "tp_envelope.json"
@@ -112,7 +112,8 @@ def tp_envelope(root: Path, dtype: str, label: str = "") -> dict:
     whole = json.loads(p.read_text())
     if label in whole.get("models", {}):
         e = whole["models"][label]
-        return {"max_abs_logprob": float(e["max_abs_logprob"]), "kl_top5": float(e["kl_top5"]), "source": label}
+        e, src = (e["cases"][case], f"{label} {case}") if case in e.get("cases", {}) else (e, label)
+        return {"max_abs_logprob": float(e["max_abs_logprob"]), "kl_top5": float(e["kl_top5"]), "source": src}
     d = whole["envelopes"]
     if dtype not in d:
         raise ValidationError(f"{p} has no envelope for {dtype} (it has {', '.join(d)}): measure one before gating on it")

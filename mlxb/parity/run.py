@@ -144,8 +144,7 @@ def _quant_backend(t: Target) -> Optional[str]:
     return None
 
 
-TP_OFF = {"prefix": "the prompt cache is not mirrored across --tp ranks yet",
-          "lora": "lora cases install adapters per case, which the --tp parity followers do not (served LoRA under --tp is tested in tests/tp)"}
+TP_OFF = {"prefix": "the prompt cache is not mirrored across --tp ranks yet"}
 
 
 def skipped(t: Target, names: Optional[list[str]] = None, tp: int = 1) -> dict[str, str]:
@@ -229,7 +228,8 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
                     loaded[(c.model, c.dtype)] = (m, tok)
             else:
                 m, tok = loaded[(c.model, c.dtype)]
-            out.append(run_engine(m, tok, c, faults, runner_cls))
+            rc = runner_cls if tp is None or not c.lora else partial(runner_cls, lora_recipes=c.lora["adapters"])
+            out.append(run_engine(m, tok, c, faults, rc))
         except Exception as e:  # the case fails alone; the others still run
             out.append({"records": {}, "schedule_mismatch": None, "error": f"{type(e).__name__}: {e}"[:300]})
         if progress:
@@ -241,7 +241,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
            faults: frozenset = frozenset(), progress: Optional[Progress] = None, tp=None) -> list[CaseResult]:
     """``tp``: the engine runs sharded (``mlxb.engine.tp.Link``); steps whose logits are not bit-equal to
     the unsharded reference may pass within ``goldens/tp_envelope.json`` (tokens must agree)."""
-    tp_env = goldens.tp_envelope(root, t.dtype, t.label) if tp is not None else None
+    tp_envs = {c.case: goldens.tp_envelope(root, t.dtype, t.label, c.case) for c in cases} if tp is not None else {}
     if against not in ("live", "golden", "both"):
         raise ValidationError(f"--against {against!r}: use live, golden or both")
     gold = {}
@@ -258,6 +258,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
     results = []
     for i, c in enumerate(cases):
         label = f"{t.label} {c.key}"
+        tp_env = tp_envs.get(c.case)
         mismatch = ours[i]["schedule_mismatch"]
         if ours[i].get("error"):
             r = CaseResult(label, "engine")

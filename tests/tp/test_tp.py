@@ -58,6 +58,21 @@ def test_tp2_parity_catches_a_planted_bug():
     assert divs and any(x["what"] == "token" for x in divs)
 
 
+def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
+    """The lora case (adapters 0, none, 1 across joining rows) sharded against mlx-lm's LoRA layers."""
+    def run(*extra):
+        p = subprocess.run(LAUNCH + MLXB + ["parity", "-m", "tiny-llama", "--tp", "2", "--b", "3", "--case", "lora",
+                                            "--against", "live", "--json", *extra],
+                           capture_output=True, text=True, timeout=300, env=ENV)
+        return _json(p.stdout)
+
+    d = run()
+    assert d["ok"], json.dumps(d)[:1500]
+    assert d["results"][0]["steps"] == 36 and d["results"][0]["envelope_spec"]["source"] == "tiny-llama lora"
+    bad = run("--plant-fault", "lora_shift")
+    assert not bad["ok"] and any(row["first_divergence"] for r in bad["results"] for row in r["rows"])
+
+
 def _rank_pids(port: int) -> dict[int, int]:
     """rank -> pid of the processes serving on ``port``."""
     out = {}

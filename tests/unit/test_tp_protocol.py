@@ -85,7 +85,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     link = FakeLink()
     # rank 0's side of one engine's life, as TPRunner words (what _flush would send)
     faults = sum(1 << i for i, f in enumerate(FAULTS) if f == "scalar_rope")
-    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, *tp._plan_words(None, 2)]
+    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, *tp._plan_words(None, 2), 0]  # 0: no LoRA recipes
     link.send(engine)
     link.send([tp.NEW, 0, -1, 3, 5, 6, 7, tp.NEW, 1, 2, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
     link.send([tp.FIRST, 0])
@@ -102,6 +102,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
         return made["runner"], i + 3 + 1
 
     monkeypatch.setattr(tp_follower, "_engine", fake_engine)
+    monkeypatch.setattr(tp_follower, "_engine_end", lambda model, w, i: i + 3 + 1)
     monkeypatch.setattr(mx, "synchronize", lambda *a: None)
     assert tp_follower.follow(None, link) == 0
     assert made["args"] == ("merge", faults) and not link.sent
@@ -157,7 +158,7 @@ def test_tprunner_batches_row_moves_into_the_next_message():
 
 def _drive(link, sent_calls):
     r = tp.TPRunner(None, ["full", "full"], link=link, join_full="extend")
-    assert link.sent[0][:3] == [tp.ENGINE, 0, 0]  # announced at once: the KV projection forward follows
+    assert link.sent[0] == [tp.ENGINE, 0, 0, -1, 0]  # announced at once: the KV projection forward follows
 
     class Req:
         prompt_ids = [5, 6, 7]
@@ -173,3 +174,10 @@ def _drive(link, sent_calls):
     assert link.sent[-1] == [tp.JOIN, row.tp_key, 42, tp.FILTER, 1, 0, tp.DECODE]
     assert sent_calls == ["chunk", "join", "filter", "decode"]
     assert len(link.sent) == 3  # engine, chunk, decode: one message per model call
+
+
+def test_lora_recipes_words_round_trip():
+    words = [2, 1, 8, -1, 2, 4, 1, 77]
+    assert tp_follower._recipes(words, 0) == ([{"seed": 1, "rank": 8, "num_layers": -1},
+                                                {"seed": 2, "rank": 4, "num_layers": 1}], 7)
+    assert tp_follower._recipes([0, 5], 0) == (None, 1)
