@@ -192,12 +192,12 @@ class TPRunner(Runner):
         self.link = link
         self.share = link.share
         # an engine is being built: the other ranks build the same runner, then measure KV bytes with
-        # rank 0's Engine (one forward: its collectives); ENGINE words: join mode, faults, KV plan
-        # (parity only: ``lora_recipes``, random-weight adapters the followers build and install on a fresh shard)
+        # rank 0's Engine (one forward: its collectives); ENGINE words: join mode, faults, LoRA recipes (parity
+        # only: random-weight adapters the followers build on a fresh shard; count first), KV plan
         recipes = [w for r in lora_recipes or [] for w in (r["seed"], r["rank"], r.get("num_layers", -1))]
         self._queued: list[int] = [ENGINE, JOIN_MODES.index(self.join_mode["full"]),
-                                   sum(1 << i for i, f in enumerate(FAULTS) if f in self.faults), *_plan_words(self.kv, len(kinds)),
-                                   len(lora_recipes or []), *recipes]
+                                   sum(1 << i for i, f in enumerate(FAULTS) if f in self.faults),
+                                   len(lora_recipes or []), *recipes, *_plan_words(self.kv, len(kinds))]
         self._gone: deque = deque()  # keys of rank-0 rows garbage-collected: followers drop theirs
         self._next_key = 0
         self._last_message = time.monotonic()

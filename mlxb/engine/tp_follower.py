@@ -37,31 +37,25 @@ def run_follower(model, link: Link, reload: Optional[Callable] = None) -> int:
     return follow(model, link, reload)
 
 
-def _recipes(w: list[int], i: int) -> tuple[Optional[list], int]:
-    n = w[i]
-    rs = [{"seed": w[i + 1 + 3 * k], "rank": w[i + 2 + 3 * k], "num_layers": w[i + 3 + 3 * k]} for k in range(n)]
-    return (rs or None), i + 1 + 3 * n
-
-
-def _engine(model, w: list[int], i: int) -> tuple[Runner, int]:
-    """ENGINE: the runner rank 0 just built, then the KV projection forward its Engine runs next."""
+def _engine(model, w: list[int], i: int, reload: Optional[Callable], have: Optional[list]):
+    """ENGINE: the runner rank 0 just built (on a fresh shard first when the LoRA recipes changed), then
+    the KV projection forward its Engine runs next. Returns (runner, model, recipes, next index)."""
     from mlxb.cache.protocol import kv_projection, layer_kinds
 
+    join_full, mask, n = JOIN_MODES[w[i + 1]], w[i + 2], w[i + 3]
+    r = i + 4
+    want = [{"seed": w[r + 3 * k], "rank": w[r + 3 * k + 1], "num_layers": w[r + 3 * k + 2]} for k in range(n)] or None
+    if want != have:  # another case's adapters (or none): a fresh shard, as rank 0 loaded
+        if reload is None:
+            raise RuntimeError(f"rank 0 asks for LoRA recipes {want}; this follower cannot reload its model")
+        model = reload(want)
     kinds = layer_kinds(model)
-    join_full, mask = JOIN_MODES[w[i + 1]], w[i + 2]
-    plan, used = _plan_from(w[i + 3 :], len(kinds))
+    plan, used = _plan_from(w[r + 3 * n :], len(kinds))
     runner = Runner(model, kinds, join_full=join_full, faults=frozenset(f for k, f in enumerate(FAULTS) if mask >> k & 1),
                     kv_scheme=plan)
     if all(k is not None for k in kinds):
         kv_projection(model, kinds, runner.kv)
-    return runner, i + 3 + used
-
-
-def _engine_end(model, w: list[int], i: int) -> int:
-    """Where an ENGINE message's KV plan ends (the plan's length depends on the model's layer count)."""
-    from mlxb.cache.protocol import layer_kinds
-
-    return i + 3 + _plan_from(w[i + 3 :], len(layer_kinds(model)))[1]
+    return runner, model, want, r + 3 * n + used
 
 
 def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
@@ -76,13 +70,7 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
         while i < len(w):
             op = w[i]
             if op == ENGINE:
-                want, _ = _recipes(w, _engine_end(model, w, i))
-                if want != recipes:  # another case's adapters (or none): a fresh shard, as rank 0 loaded
-                    if reload is None:
-                        raise RuntimeError(f"rank {link.rank}: rank 0 asks for LoRA recipes {want}, this follower cannot reload")
-                    model, recipes = reload(want), want
-                runner, i = _engine(model, w, i)
-                i = _recipes(w, i)[1]
+                runner, model, recipes, i = _engine(model, w, i, reload, recipes)
                 runner.share = link.share
                 rows, cohort = {}, None
             elif op == NEW:  # key, LoRA adapter slot, prompt length, prompt ids

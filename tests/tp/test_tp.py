@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.test_serve_cli import free_port
+from tests.server.test_serve_cli import free_port, wait_healthy
 
 LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring", "--"]
 MLXB = [sys.executable, "-m", "mlxb.commands.main"]
@@ -94,32 +94,26 @@ def _rank_pids(port: int) -> dict[int, int]:
 def _start(port: int, *extra: str):
     proc = subprocess.Popen(LAUNCH + MLXB + ["serve", "--tp", "2", "--port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() - t0 < 120, "tp server did not come up"
-        time.sleep(0.3)
+    return proc, wait_healthy(proc, port)
 
 
-def _staggered(url: str) -> list[str]:
-    """Four greedy completions arriving 0.15 s apart (they join a running batch)."""
-    prompts = ["The capital of", "def fib(n):", "Once upon a time", "1, 2, 3, 4,"]
-    out = [None] * 4
+PROMPTS = [(None, "The capital of"), (None, "def fib(n):"), (None, "Once upon a time"), (None, "1, 2, 3, 4,")]
+
+
+def _staggered(url: str, asks=PROMPTS, max_tokens: int = 24) -> list[str]:
+    """Greedy completions ((model or None, prompt) each) arriving 0.15 s apart (they join a running batch)."""
+    out = [None] * len(asks)
 
     def go(i):
         time.sleep(0.15 * i)
-        r = httpx.post(url + "/v1/completions", json={"prompt": prompts[i], "max_tokens": 24, "temperature": 0,
-                                                      "ignore_eos": True}, timeout=120)
+        body = {"prompt": asks[i][1], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        if asks[i][0]:
+            body["model"] = asks[i][0]
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         out[i] = r.json()["choices"][0]["text"]
 
-    ts = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+    ts = [threading.Thread(target=go, args=(i,)) for i in range(len(asks))]
     for t in ts:
         t.start()
     for t in ts:
@@ -149,8 +143,6 @@ def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank():
     one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--no-prompt-cache"], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        from tests.server.test_serve_cli import wait_healthy
-
         assert _staggered(wait_healthy(one, port1)) == texts
     finally:
         one.send_signal(signal.SIGTERM)
@@ -166,27 +158,10 @@ def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path)
     flag = ["--adapters", f"a={tmp_path / 'a'},b={tmp_path / 'b'}"]
     asks = [("tiny-llama:a", "one two"), ("tiny-llama:b", "one two"), ("tiny-llama", "one two"), ("tiny-llama:a", "def f():")]
 
-    def run(url):
-        out = [None] * len(asks)
-
-        def go(i):
-            time.sleep(0.1 * i)
-            r = httpx.post(url + "/v1/completions", json={"model": asks[i][0], "prompt": asks[i][1], "max_tokens": 16,
-                                                          "ignore_eos": True}, timeout=120)
-            assert r.status_code == 200, r.text
-            out[i] = r.json()["choices"][0]["text"]
-
-        ts = [threading.Thread(target=go, args=(i,)) for i in range(len(asks))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return out
-
     port = free_port()
     proc, url = _start(port, *flag)
     try:
-        texts = run(url)
+        texts = _staggered(url, asks, 16)
         assert len({texts[0], texts[1], texts[2]}) == 3  # the adapters change the text
     finally:
         os.kill(_rank_pids(port)[0], signal.SIGTERM)
@@ -195,9 +170,7 @@ def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path)
     one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--no-prompt-cache", *flag], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        from tests.server.test_serve_cli import wait_healthy
-
-        assert run(wait_healthy(one, port1)) == texts
+        assert _staggered(wait_healthy(one, port1), asks, 16) == texts
     finally:
         one.send_signal(signal.SIGTERM)
         one.wait(timeout=30)

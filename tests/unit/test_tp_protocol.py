@@ -38,6 +38,8 @@ class Row:
 class Recorder:
     """Stands in for the follower's Runner: records every call."""
 
+    kv = None
+
     def __init__(self):
         self.calls = []
 
@@ -85,7 +87,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     link = FakeLink()
     # rank 0's side of one engine's life, as TPRunner words (what _flush would send)
     faults = sum(1 << i for i, f in enumerate(FAULTS) if f == "scalar_rope")
-    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, *tp._plan_words(None, 2), 0]  # 0: no LoRA recipes
+    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, 0, *tp._plan_words(None, 2)]  # 0: no LoRA recipes
     link.send(engine)
     link.send([tp.NEW, 0, -1, 3, 5, 6, 7, tp.NEW, 1, 2, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
     link.send([tp.FIRST, 0])
@@ -96,16 +98,21 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     link.send([tp.DROP, tp.STOP])
     made = {}
 
-    def fake_engine(model, w, i):
-        made["args"] = (tp.JOIN_MODES[w[i + 1]], w[i + 2])
-        made["runner"] = Recorder()
-        return made["runner"], i + 3 + 1
+    import mlxb.cache.protocol as protocol
 
-    monkeypatch.setattr(tp_follower, "_engine", fake_engine)
-    monkeypatch.setattr(tp_follower, "_engine_end", lambda model, w, i: i + 3 + 1)
+    monkeypatch.setattr(protocol, "layer_kinds", lambda model: ["full", "full"])
+    monkeypatch.setattr(protocol, "kv_projection", lambda model, kinds, kv: made.setdefault("projection", kinds))
+
+    def fake_runner(model, kinds, join_full, faults, kv_scheme):
+        made["args"] = (join_full, faults, kv_scheme)
+        made["runner"] = Recorder()
+        return made["runner"]
+
+    monkeypatch.setattr(tp_follower, "Runner", fake_runner)
     monkeypatch.setattr(mx, "synchronize", lambda *a: None)
     assert tp_follower.follow(None, link) == 0
-    assert made["args"] == ("merge", faults) and not link.sent
+    assert made["args"] == ("merge", frozenset(["scalar_rope"]), None) and not link.sent
+    assert made["projection"] == ["full", "full"]
     r0, r1 = ("row", 1), ("row", 2)
     assert made["runner"].calls == [
         ("new", [5, 6, 7], -1), ("new", [8, 9], 2), ("chunk", r0, 0, 2, True), ("first", r0), ("join", r0, 42),
@@ -158,7 +165,7 @@ def test_tprunner_batches_row_moves_into_the_next_message():
 
 def _drive(link, sent_calls):
     r = tp.TPRunner(None, ["full", "full"], link=link, join_full="extend")
-    assert link.sent[0] == [tp.ENGINE, 0, 0, -1, 0]  # announced at once: the KV projection forward follows
+    assert link.sent[0] == [tp.ENGINE, 0, 0, 0, -1]  # announced at once: the KV projection forward follows
 
     class Req:
         prompt_ids = [5, 6, 7]
@@ -176,8 +183,30 @@ def _drive(link, sent_calls):
     assert len(link.sent) == 3  # engine, chunk, decode: one message per model call
 
 
-def test_lora_recipes_words_round_trip():
-    words = [2, 1, 8, -1, 2, 4, 1, 77]
-    assert tp_follower._recipes(words, 0) == ([{"seed": 1, "rank": 8, "num_layers": -1},
-                                                {"seed": 2, "rank": 4, "num_layers": 1}], 7)
-    assert tp_follower._recipes([0, 5], 0) == (None, 1)
+def test_engine_message_with_lora_recipes_reloads_the_shard_once(monkeypatch):
+    import mlxb.cache.protocol as protocol
+
+    monkeypatch.setattr(protocol, "layer_kinds", lambda model: ["full"])
+    monkeypatch.setattr(protocol, "kv_projection", lambda *a: None)
+    class R:
+        kv = None
+
+        def __init__(self, model, kinds, **kw):
+            self.model = model
+
+    monkeypatch.setattr(tp_follower, "Runner", R)
+    loads = []
+
+    def reload(recipes):
+        loads.append(recipes)
+        return f"model{len(loads)}"
+
+    plan = tp._plan_words(KVPlan([KVScheme(4, 64, 0)], 0), 1)
+    w = [tp.ENGINE, 0, 0, 2, 1, 8, -1, 2, 4, 1, *plan, tp.DECODE]
+    want = [{"seed": 1, "rank": 8, "num_layers": -1}, {"seed": 2, "rank": 4, "num_layers": 1}]
+    runner, model, recipes, i = tp_follower._engine("base", w, 0, reload, None)
+    assert (runner.model, model, recipes, w[i]) == ("model1", "model1", want, tp.DECODE)
+    _, model, recipes, _ = tp_follower._engine(model, w, 0, reload, recipes)  # same recipes: no reload
+    assert model == "model1" and len(loads) == 1
+    _, model, recipes, _ = tp_follower._engine(model, [tp.ENGINE, 0, 0, 0, -1], 0, reload, recipes)  # none: base again
+    assert recipes is None and loads == [want, None]
