@@ -11,12 +11,13 @@ from rich.progress import Progress
 from rich.table import Table
 
 from mlxb.commands._common import DtypeOpt, JsonOpt, cli_errors, console, progress
+from mlxb.parity.protocol import CASES
 
 TINY_DTYPES = ("float32", "bfloat16")
 
 ModelsOpt = typer.Option(None, "--model", "-m", help="Model(s): preset, alias, folder or HF id (repeatable). Default: tiny-llama.")
 BOpt = typer.Option("1,2,3,4", "--b", help="Batch sizes (the cap B), comma-separated.")
-CaseOpt = typer.Option(None, "--case", "-c", help="Case(s): static join leave extend merge burst ring ssm latent prefix (repeatable; default all that apply).")
+CaseOpt = typer.Option(None, "--case", "-c", help="Case(s): " + " ".join(CASES) + " (repeatable; default all that apply).")
 GoldensOpt = typer.Option(None, "--goldens", help="Goldens folder (default: the checkout's goldens/).")
 AllOpt = typer.Option(False, "--all", help="Every tiny preset x case x B, in float32 and bfloat16.")
 

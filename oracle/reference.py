@@ -23,8 +23,10 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, load_prompt_cache,
                                   make_prompt_cache, save_prompt_cache, trim_prompt_cache)
 
-from mlxb.parity.protocol import Case, plan, step_record
-from oracle.quantized import QBatch, QRow, convert
+from mlxb.parity.plan import Planner
+from mlxb.parity.protocol import Case, step_record
+from . import spec as spec_ref
+from .quantized import QBatch, QRow, convert
 
 
 class _Grammar:
@@ -190,7 +192,9 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
     records: dict[int, list] = {i: [] for i in range(len(rows))}
     n_fwd = 0
     gl = _geo_layer(make_prompt_cache(model))
-    for it in plan(case):
+    planner = Planner(case)
+    while not planner.finished:
+        it = planner.begin()
         if it.spill:
             _through_disk(store)
         cohort_caches = None
@@ -248,7 +252,31 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
                     merged = True
                 caches = _join(caches, solo.pop(r), case.join_full)
             batch.append(r)
-        if it.forward:
+        props = None
+        if it.forward and case.spec:  # prompt lookup over each row's prompt and every token it has so far
+            produced = {r: len(records[r]) for r in batch}
+            props = spec_ref.proposals(case, batch, lambda r: prompt(r) + [x["t"] for x in records[r]], produced)
+            props = props if any(props) else None
+        if props is not None:
+            assert batch == it.forward, (batch, it.forward)
+            lp, choice, kept, width = spec_ref.verify(model, caches, merged, [last_tok[r] for r in batch], props)
+            n_fwd += 1
+            geo = [None] * len(batch) if gl is None else _geometry(caches[gl])
+            gains = {}
+            for i, r in enumerate(batch):
+                room = rows[r].max_tokens - len(records[r])
+                if room <= 0:
+                    kept[i] = 0  # a row past its last token (its lookahead): nothing recorded
+                    continue
+                gains[r] = kept[i] + 1
+                for j in range(kept[i] + 1):
+                    records[r].append(record(choice[i][j], lp[i, j : j + 1], geo[i]))
+                last_tok[r] = choice[i][kept[i]]
+            spec_ref.rollback(caches, merged, [width - a for a in kept])
+            planner.end(it, gains, verify=True)
+        else:  # a plain step: one token per row
+            planner.end(it)
+        if it.forward and props is None:
             assert batch == it.forward, (batch, it.forward)
             inputs = mx.array([last_tok[r] for r in batch], dtype=mx.uint32)[:, None]
             _use_lora(model, case, batch)
@@ -270,6 +298,7 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
                         tok, lpr = values[i], lp[i : i + 1]
                     records[r].append(record(tok, lpr, geo[i]))
                     last_tok[r] = tok
+        if it.forward:
             for i, r in enumerate(batch):  # retiring rows go back to the prompt cache: prompt + output
                 m = rows[r].max_tokens
                 if r in it.retire and [r, len(prompt(r)) + m] in it.snaps:

@@ -86,6 +86,15 @@ for x in d['results']:
     for f in ('steps','exact','envelope','tokens_only'): c[k,f]+=x[f]
 print(d['ok'], d['machine_key'], dict(c)); print([x['case']+' '+x['against'] for x in d['results'] if not x['ok']][:20])"
     python3 -m pytest -q -p no:cacheprovider tests/server/test_serve_cli.py -k "busy or generate" 2>&1 | tail -3 ;;
+  specparity)  # the spec parity case on CUDA: goldens for every preset it applies to, then live + golden comparison
+    key=$(python3 -c 'from mlxb.doctor import machine_key; print(machine_key())')
+    python3 -m mlxb.commands.main golden-gen --all --case spec 2>&1 | tail -3
+    python3 -m mlxb.commands.main parity --all --case spec --against both --json > "$OUT/parity-spec.json"
+    echo "parity rc=$?"
+    python3 -c "import json; d=json.load(open('$OUT/parity-spec.json')); r=d['results']
+print(d['ok'], d['machine_key'], len(r), sum(x['steps'] for x in r), sum(x['exact'] for x in r), [x['case']+' '+x['against'] for x in r if not x['ok']])"
+    python3 -m mlxb.commands.main parity -m tiny-llama --b 3 --case spec --against live --plant-fault spec_rollback_off_by_one | tail -2
+    tar czf "$OUT/goldens-spec-$key.tgz" goldens/$key/*/spec-* ;;
   spec)  # speculative decoding vs plain on our engine: synth-llama-1b drafting for synth-llama-8b, self-draft, lookup
     for m in synth-llama-1b synth-llama-8b; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -186,7 +186,7 @@ class Engine:
         off = r.spec_off or ("--batch 1 is the strict serial lane (mlx-lm's generate_step); speculation runs on "
                              "the batch lane" if self.max_batch == 1 else None)
         return {"method": r.spec.method, "draft_model": r.spec.draft_name, "max_batch": r.spec.max_batch,
-                "num_draft_tokens": r.spec.num_draft_tokens, "active": off is None,
+                "num_draft_tokens": r.spec.num_draft_tokens, "adaptive": r.spec.adaptive, "active": off is None,
                 "off_reason": off, "verify_steps": c["verify_steps"], "drafted": c["drafted"],
                 "accepted": c["accepted"], "acceptance": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None}
 

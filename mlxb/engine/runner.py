@@ -41,7 +41,7 @@ from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
-          "grammar_one_step_late", "kv_stale_scale", "lora_shift")
+          "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one")
 
 
 @dataclass

@@ -52,6 +52,7 @@ class SpecConfig:
     draft_model: Any = field(default=None, compare=False, repr=False)  # the loaded model (--spec draft)
     draft_name: Optional[str] = None
     max_batch: int = 1  # speculate only while the batch has at most this many rows (--spec-max-batch)
+    adaptive: bool = True  # False (--spec-fixed): every row drafts num_draft_tokens each step, as mlx-lm does
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -101,6 +102,7 @@ class RowSpec:
     cooldown: int = 0
     alpha: float = ALPHA0  # running per-draft acceptance
     backoff: int = COOLDOWN
+    adaptive: bool = True
 
     def adapt(self, n: int, a: int) -> None:
         """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
@@ -109,7 +111,7 @@ class RowSpec:
         plain one (a wider forward, and the host waits for it)."""
         self.drafted += n
         self.accepted += a
-        if n == 0:
+        if n == 0 or not self.adaptive:
             return
         self.k = min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
         self.alpha = 0.6 * self.alpha + 0.4 * (a / n)
@@ -170,7 +172,7 @@ def row_spec(r, req) -> Optional[RowSpec]:
     if k <= 0:
         return None
     req.spec_drafted = 0
-    return RowSpec(k, k, np.asarray(req.prompt_ids, dtype=np.int64))
+    return RowSpec(k, k, np.asarray(req.prompt_ids, dtype=np.int64), adaptive=r.spec.adaptive)
 
 
 def off_reason(kinds: list) -> Optional[str]:
@@ -220,7 +222,7 @@ def propose_all(r) -> list[list[int]]:
             out.append([])
             continue
         props = r.proposer.propose(np.concatenate([st.prompt, np.asarray(row.tokens, dtype=np.int64)]), k)
-        if not props:  # a run of lookups that find nothing pauses them (each costs the pipelining)
+        if not props and st.adaptive:  # a run of lookups that find nothing pauses them (each costs the pipelining)
             st.misses += 1
             if st.misses >= MISS_LIMIT:
                 st.misses, st.cooldown, st.backoff = 0, st.backoff, min(2 * st.backoff, MAX_COOLDOWN)
@@ -247,6 +249,7 @@ def verify_step(r, props: list[list[int]]) -> list:
     t1 = time.perf_counter()
     mx.eval(choice)
     choice = choice.tolist()
+    geo = r._geometry() if r.capture is not None else [None] * len(rows)  # parity: the buffer this forward read
     t2 = time.perf_counter()
     out, kept, last = [], [], []
     for i, row in enumerate(rows):
@@ -260,7 +263,7 @@ def verify_step(r, props: list[list[int]]) -> list:
                 a += 1
             toks = choice[i][: a + 1]
             for j, t in enumerate(toks):
-                out.append(r._emit(row, t, lp_all[i, j : j + 1] if want_lp else None))
+                out.append(r._emit(row, t, lp_all[i, j : j + 1] if want_lp else None, geo[i]))
         else:
             for j in range(len(p) + 1):
                 ctx = None if row.context is None else mx.concatenate([row.context, x[i, : j + 1]])
@@ -275,7 +278,7 @@ def verify_step(r, props: list[list[int]]) -> list:
                 else:
                     t, ok = int(row.sampler.sample(lp).item()), False
                 toks.append(t)
-                out.append(r._emit(row, t, lp if want_lp else None))  # a grammar row's matcher advances here
+                out.append(r._emit(row, t, lp if want_lp else None, geo[i]))  # a grammar row's matcher advances here
                 if not ok or out[-1].grammar_done:
                     break
             a = len(toks) - 1
@@ -289,7 +292,10 @@ def verify_step(r, props: list[list[int]]) -> list:
         kept.append(a)
         last.append(toks[-1])
     t3 = time.perf_counter()
-    rollback(r.caches, r.kinds, [width - a for a in kept], r.merged)
+    shifts = [width - a for a in kept]
+    if "spec_rollback_off_by_one" in r.faults:  # planted bug (parity control): one rejected entry stays
+        shifts = [max(0, s - 1) for s in shifts]
+    rollback(r.caches, r.kinds, shifts, r.merged)
     if hasattr(r.proposer, "commit"):
         r.proposer.commit(r, kept)
     if r.kv is not None and not r.merged:  # a lone row converts as generate_step does

@@ -1,5 +1,5 @@
 """Deterministic parity cases: ``seed`` and the names fix every prompt id (the protocol and the
-plan they follow are in ``mlxb.parity.protocol``)."""
+plan they follow are in ``mlxb.parity.protocol`` and ``mlxb.parity.plan``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import hashlib
 
 import numpy as np
 
+from mlxb.parity.plan import plan
 from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, LORA_ADAPTERS, PREFIX_TRIMMABLE, QUANT_GROUP,
-                                  Case, RowSpec, plan)
+                                  Case, RowSpec)
 
 
 class Pool:
@@ -68,7 +69,7 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         rows.append(RowSpec(_prompt(rng, window + 37, vocab), 8, 12 if b > 1 else 0))
     elif case == "ssm":  # recurrent state through joins and retirements
         chunk = 16
-        rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 14 - 3 * i, 2 * i) for i in range(b)]
+        rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), max(1, 14 - 3 * i), 2 * i) for i in range(b)]
     elif case == "latent":  # MLA latent cache through joins and retirements
         chunk = 16
         rows = [RowSpec(_prompt(rng, int(rng.integers(5, 40)), vocab), 8 + 2 * ((i + 1) % 3), 3 * i) for i in range(b)]
@@ -88,6 +89,13 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "quant", b, seed, j.rows, 16, j.join_full,
                     kv={"bits": 4 if b % 2 else 8, "group_size": QUANT_GROUP, "start": 0})
+    elif case == "spec":  # staggered joins and retirements; prompts repeat a segment, so lookup drafts from the start
+        rows = []
+        for i in range(b):
+            seg = _prompt(rng, int(rng.integers(3, 8)), vocab)
+            rows.append(RowSpec(seg * 3 + _prompt(rng, int(rng.integers(2, 10)), vocab), 16 + 5 * ((i + 2) % 3), 3 * i))
+        return Case(model, dtype, "spec", b, seed, rows, 16, "extend",
+                    spec={"ngram": 3, "rows": [(4, 0, 2, 3)[i % 4] for i in range(b)]})
     return Case(model, dtype, case, b, seed, rows, chunk, join_full)
 
 

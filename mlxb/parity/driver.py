@@ -9,12 +9,14 @@ the driver records what it did so the parity run can check it against the case's
 from __future__ import annotations
 
 import tempfile
+from typing import Optional
 
 import mlx.core as mx
 
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
-from mlxb.parity.protocol import MIN_SHARED, Case, plan, step_record
+from mlxb.parity.plan import Planner, plan
+from mlxb.parity.protocol import MIN_SHARED, Case, step_record
 from mlxb.request import Request, SamplingParams
 
 
@@ -23,6 +25,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
 
     def capture(rid: str, step: int, token: int, vec, geo) -> None:
         r = int(rid[1:])
+        if step >= case.rows[r].max_tokens:  # a verify step's token for a row that already had its last one
+            return
         assert step == len(records[r]), (rid, step)
         records[r].append(step_record(token, vec, geo))
 
@@ -31,9 +35,15 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
         from mlxb.cache.kv_plan import KVScheme
 
         scheme = KVScheme(case.kv["bits"], case.kv["group_size"], case.kv["start"])
+    spec = None
+    if case.spec:  # prompt lookup at every B, each row's draft length fixed (the protocol's rule)
+        from mlxb.engine.spec import SpecConfig
+
+        spec = SpecConfig("lookup", max(max(case.spec["rows"]), 1), case.spec["ngram"], max_batch=case.b,
+                          adaptive=False)
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,
                  join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme,
-                 **({"runner_cls": runner_cls} if runner_cls else {}))
+                 spec=spec, **({"runner_cls": runner_cls} if runner_cls else {}))
     disk = tempfile.TemporaryDirectory() if case.prefix else None
     if case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
         from mlxb.cache.prompt_cache import PromptCache
@@ -47,9 +57,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
         from mlxb.engine.grammar import Grammars
 
         grammars = Grammars(tokenizer, _vocab_size(model, tokenizer), sorted(getattr(tokenizer, "eos_token_ids", []) or []))
-    expected = plan(case)
-    timeline, streams, reqs = [], [], {}
-    limit = len(expected) + 8
+    timeline, streams, reqs, feeds = [], [], {}, []  # feeds: per iteration (tokens per forward row, verify step)
+    limit = len(plan(case)) + 8  # one token per forward at least: the plain plan is the longest
     try:
         for k in range(limit):
             arriving = [i for i, spec in enumerate(case.rows) if spec.arrive == k]
@@ -60,7 +69,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                 if spec.arrive == k:
                     prompt = case.resolve(i, {r: [x["t"] for x in v] for r, v in records.items()})
                     req = Request(f"r{i}", prompt, spec.max_tokens, SamplingParams(), ignore_eos=True,
-                                  adapter=case.lora["rows"][i] if case.lora else -1)
+                                  adapter=case.lora["rows"][i] if case.lora else -1,
+                                  num_draft_tokens=case.spec["rows"][i] if case.spec else None)
                     if case.regex(i):
                         req.constraint = grammars.constraint(grammars.from_regex(case.regex(i), "regex"), "regex")
                     reqs[i] = req
@@ -69,7 +79,11 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                     eng.accept(req, st)
                     streams.append(st)
             eng.last_forward = []
+            before, verified = _produced(eng, records), eng.runner.spec_counts["verify_steps"]
             out = eng.iterate()
+            after = _produced(eng, records)
+            feeds.append(({r: after[r] - before.get(r, 0) for r in after if after[r] > before.get(r, 0)},
+                          eng.runner.spec_counts["verify_steps"] > verified))
             chunks = [[int(c.request_id[1:]), c.start, c.end, c.is_last] for c in out.prefills] if out else []
             entry = {"prefills": chunks, "forward": [int(r[1:]) for r in eng.last_forward]}
             if case.prefix:
@@ -83,19 +97,49 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
         if disk is not None:
             eng.prompt_cache.close()
             disk.cleanup()
+    expected, mismatch = _replay(case, feeds)
     want = [{"prefills": [[c.row, c.start, c.end, c.is_last] for c in it.prefills], "forward": it.forward}
             for it in expected]
     if case.prefix:
         for w, it in zip(want, expected):
             w["cached"] = {r: 0 for r in _admitted(it, expected)} | {r: s[2] for r, s in it.seeds.items()}
-    mismatch = None
-    for k in range(max(len(want), len(timeline))):
+    for k in range(max(len(want), len(timeline)) if mismatch is None else 0):
         a = timeline[k] if k < len(timeline) else None
         b = want[k] if k < len(want) else None
         if a != b:
             mismatch = {"iteration": k, "engine": a, "plan": b}
             break
-    return {"records": {str(r): v for r, v in records.items()}, "schedule_mismatch": mismatch}
+    out = {"records": {str(r): v for r, v in records.items()}, "schedule_mismatch": mismatch}
+    if case.spec:  # what the case exercised: verify steps, drafted and accepted tokens
+        out["spec"] = {k: int(v) for k, v in eng.runner.spec_counts.items()}
+    return out
+
+
+def _produced(eng, records: dict) -> dict[int, int]:
+    """Tokens whose logits exist per row: emitted ones plus the batch's pending (not yet read) ones."""
+    out = {r: len(v) for r, v in records.items()}
+    for row, p in zip(eng.runner.rows, eng.runner.pending):
+        out[int(row.req.request_id[1:])] += p is not None
+    return out
+
+
+def _replay(case: Case, feeds: list) -> tuple[list, Optional[dict]]:
+    """The plan, its forwards settled with the tokens the engine's forwards gave (one each but in a
+    ``spec`` verify step); a gain the protocol does not allow is a schedule mismatch."""
+    p, its = Planner(case), []
+    for k, (gains, verify) in enumerate(feeds):
+        if p.finished:
+            break
+        it = p.begin()
+        try:
+            # a row that joined now got token 0 from its prefill, before the forward
+            its.append(p.end(it, {r: gains.get(r, 0) - (r in it.joins) for r in it.forward} if case.spec else None,
+                             verify))
+        except ValueError as e:
+            return its, {"iteration": k, "engine": str(e), "plan": None}
+    while not p.finished and len(its) < len(feeds) + 8:  # the engine stopped early: what the plan still had
+        its.append(p.end(p.begin()))
+    return its, None
 
 
 def _admitted(it, its) -> list[int]:

@@ -1,7 +1,7 @@
 """A parity case as data, and the iteration plan both sides must follow.
 
 A case fixes the inputs (model, dtype, the cap B, each row's prompt ids, max_tokens and arrival
-iteration, the prefill chunk size and the join op for full-attention layers). ``plan()`` turns it
+iteration, the prefill chunk size and the join op for full-attention layers). ``plan()`` (``mlxb.parity.plan``) turns it
 into the exact event timeline of the continuous-batching protocol, one entry per iteration:
 
 1. rows whose ``arrive`` equals the iteration enter the FIFO queue (in row order);
@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
 
 CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant",
-         "lora")
+         "lora", "spec")
 # grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
 # where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
 # 180 characters, so every row still produces exactly max_tokens tokens and the plan is the join case's; the
@@ -62,6 +62,18 @@ LORA_ADAPTERS = [{"seed": 1, "rank": 8, "num_layers": -1}, {"seed": 2, "rank": 4
 # quantized cache, so the oracle keeps the batch's layout with three mlx-lm BatchKVCache lanes (packed
 # values, scales, biases; oracle/quantized.py); the cache geometry is compared.
 QUANT_GROUP = 32
+# spec (prompt-lookup speculation; models whose every layer is full attention or latent): staggered rows whose
+# prompts repeat a segment, each with its own draft length (0: the row does not speculate), K fixed (no
+# adaptation). In an iteration whose batch holds a speculating row that may still draft, each such row proposes
+# ``lookup(prompt + its tokens so far, min(k, max_tokens - produced - 1))``: the latest earlier occurrence of the
+# history's last n tokens (n = ngram down to 1), preferring one followed by k tokens, and the tokens after it.
+# If any row proposed, the forward is a verify step over [B, 1 + W] (W: the longest proposal; each row feeds its
+# last token, its drafts, then its last token again as padding); a row keeps the longest prefix of its drafts
+# that equals the argmax at each position, plus the argmax after it, and the other W - kept entries leave its
+# caches: a lone row trims them; in a batch they stay as masked holes (the row's position goes back) that are
+# compacted into the left padding before rows join or leave, and when a row holds more than
+# max(SPEC_HOLE_MIN, width // SPEC_HOLE_FRACTION) of them. Otherwise it is a plain (pipelined) step.
+SPEC_HOLE_MIN, SPEC_HOLE_FRACTION = 32, 8
 MIN_SHARED = 32  # the engine's default --prompt-cache min shared tokens for a follower
 SCHEMA = 2  # 2: whole prompts admitted in one iteration are prefilled together as a cohort
 
@@ -93,6 +105,8 @@ class Case:
     kv: Optional[dict] = None
     # LoRA adapters per row: {"adapters": [{"seed", "rank", "num_layers"}, ...], "rows": [slot per row, -1: base]}
     lora: Optional[dict] = None
+    # prompt-lookup speculation: {"ngram": int, "rows": [draft tokens per row, 0: off]} (see SPEC_HOLE_MIN)
+    spec: Optional[dict] = None
 
     @property
     def key(self) -> str:
@@ -108,6 +122,8 @@ class Case:
             del d["kv"]
         if d["lora"] is None:
             del d["lora"]
+        if d["spec"] is None:
+            del d["spec"]
         return d
 
     def regex(self, r: int) -> Optional[str]:
@@ -148,30 +164,6 @@ class Case:
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
-
-@dataclass
-class Chunk:
-    row: int
-    start: int
-    end: int
-    is_last: bool
-    shared: bool = False  # a follower starts from the snapshot at ``end`` (prefilled alone)
-    first: bool = False  # the row's first chunk (admitted in this iteration)
-
-
-@dataclass
-class Iteration:
-    prefills: list[Chunk] = field(default_factory=list)
-    joins: list[int] = field(default_factory=list)  # rows appended to the batch this iteration
-    cohort: list[int] = field(default_factory=list)  # rows prefilled together (two or more whole prompts)
-    forward: list[int] = field(default_factory=list)  # batch rows of this iteration's forward, in order
-    emits: dict[int, int] = field(default_factory=dict)  # row -> step whose logits this forward gives
-    retire: list[int] = field(default_factory=list)  # rows removed after the forward
-    spill: bool = False  # prompt cache: every snapshot goes through the SSD tier before admissions
-    seeds: dict[int, list] = field(default_factory=dict)  # row -> [src row, src length, tokens used]
-    snaps: list = field(default_factory=list)  # [row, length]: snapshots taken, in execution order
-
-
 def skip_reason(case: str, kinds) -> Optional[str]:
     """Why ``case`` does not apply to a model with these layer kinds (``mlxb.cache.protocol.layer_kinds``),
     or None when it does. The case list adapts to the model instead of failing on it."""
@@ -186,170 +178,9 @@ def skip_reason(case: str, kinds) -> Optional[str]:
         return "no latent (MLA) attention layers"
     if case == "quant" and kinds != {"full"}:
         return "the quant oracle covers models whose every layer is full attention"
+    if case == "spec" and not kinds <= {"full", "latent"}:
+        return "speculation rolls back full-attention and latent layers only (this model decodes plainly with --spec)"
     return None
-
-
-class _Store:
-    """The prompt cache as the plan models it: keys are symbol tuples, values the snapshot ids."""
-
-    def __init__(self, trimmable: bool):
-        self.trimmable = trimmable
-        self.keys: dict[tuple, tuple] = {}  # key -> (row, length) of the snapshot
-
-    def insert(self, key: tuple, src: tuple) -> None:
-        if key in self.keys or (self.trimmable and any(k[:len(key)] == key for k in self.keys)):
-            return  # already covered
-        if self.trimmable:
-            for k in [k for k in self.keys if key[:len(k)] == k]:
-                del self.keys[k]
-        self.keys[key] = src
-
-    def lookup(self, seq: tuple, limit: int) -> tuple[int, Optional[tuple]]:
-        served = []
-        for k, v in self.keys.items():
-            if self.trimmable:
-                n = _lcp(k, seq, limit)
-            else:
-                n = len(k) if len(k) <= limit and seq[:len(k)] == k else 0
-            served.append((n, v))
-        best = max((n for n, _ in served), default=0)
-        if best == 0:
-            return 0, None
-        srcs = {v for n, v in served if n == best}
-        if len(srcs) > 1:
-            raise ValueError(f"ambiguous prefix case: two snapshots serve {best} tokens")
-        return best, srcs.pop()
-
-
-def _lcp(a, b, limit: int) -> int:
-    n, i = min(limit, len(a), len(b)), 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _admit_cached(case: Case, store: _Store, seqs: dict, r: int, it: Iteration) -> int:
-    """Mirror of the scheduler's cached start: lookup, then a leader's chunk in this iteration."""
-    limit = len(seqs[r]) - 1
-    cached, src = store.lookup(seqs[r], limit)
-    best, at = cached, None
-    for i, c in enumerate(it.prefills):
-        n = _lcp(seqs[r], seqs[c.row], min(limit, c.end))
-        if n > max(best, c.start) and n - cached >= MIN_SHARED:
-            best, at = n, i
-    if at is not None:
-        c = it.prefills[at]
-        parts = [Chunk(c.row, c.start, best, best == c.end and c.is_last, True, c.first)]
-        if best < c.end:
-            parts.append(Chunk(c.row, best, c.end, c.is_last, c.shared))
-        it.prefills[at:at + 1] = parts
-        it.seeds[r] = [c.row, best, best]
-    elif cached > 0:
-        it.seeds[r] = [src[0], src[1], cached]
-    return best
-
-
-def _cohort(prefills: list[Chunk]) -> list[int]:
-    """Rows whose whole uncached prompt runs in their first chunk, in the last contiguous run (a row
-    joining alone or a shared leader's chunk restarts it); two or more are prefilled together."""
-    run: list[int] = []
-    for c in prefills:
-        if c.first and c.is_last and not c.shared:
-            run.append(c.row)
-        elif c.is_last or c.shared:
-            run = []
-    return run if len(run) >= 2 else []
-
-
-def plan(case: Case) -> list[Iteration]:
-    rows = case.rows
-    L = {i: case.prompt_len(i) for i in range(len(rows))}
-    store = _Store(case.prefix["trimmable"]) if case.prefix else None
-    seqs = {i: case.symbols(i) for i in range(len(rows))} if case.prefix else {}
-    waiting: list[int] = []
-    prefilling: list[int] = []
-    pos: dict[int, int] = {}
-    batch: list[int] = []
-    produced = {i: 0 for i in range(len(rows))}  # tokens whose logits exist (token 0 included)
-    done: set[int] = set()
-    its: list[Iteration] = []
-    k = 0
-    while len(done) < len(rows):
-        it = Iteration()
-        arriving = [i for i, r in enumerate(rows) if r.arrive == k]
-        it.spill = any((case.link(i) or {}).get("ssd") for i in arriving)
-        waiting += arriving
-        idle = not batch and not prefilling  # the engine's default prefill_burst: eight chunks
-        budget, j = (8 * case.prefill_chunk if idle else case.prefill_chunk), 0
-        admitted: set[int] = set()
-        while budget > 0 and j < case.b:
-            if j < len(prefilling):
-                r = prefilling[j]
-            elif waiting and len(batch) + len(prefilling) < case.b:
-                r = waiting.pop(0)
-                pos[r] = _admit_cached(case, store, seqs, r, it) if store is not None else 0
-                prefilling.append(r)
-                admitted.add(r)
-            else:
-                break
-            j += 1
-            body = L[r] - 1
-            end = min(pos[r] + min(budget, case.prefill_chunk), body)
-            last = end >= body
-            it.prefills.append(Chunk(r, pos[r], end, last, first=r in admitted))
-            budget -= (end - pos[r]) + (1 if last else 0)
-            if not last:
-                break
-        it.cohort = _cohort(it.prefills)
-        for ch in it.prefills:
-            pos[ch.row] = ch.end
-            # solo chunk ends (all for exact-only kinds; body end and shared points otherwise); cohort rows
-            # of exact-only models at the body end (extracted from the cohort batch)
-            solo_snap = ch.row not in it.cohort and (not store.trimmable or ch.is_last or ch.shared) if store else False
-            if solo_snap or (store is not None and ch.row in it.cohort and not store.trimmable):
-                _snap(store, it, seqs[ch.row][:ch.end], (ch.row, ch.end))
-            if ch.is_last:
-                prefilling.remove(ch.row)
-                produced[ch.row] = 1
-                if rows[ch.row].max_tokens == 1:
-                    done.add(ch.row)
-                    if store is not None and ch.row not in it.cohort:
-                        _snap(store, it, seqs[ch.row], (ch.row, L[ch.row]))
-                else:
-                    batch.append(ch.row)
-                    it.joins.append(ch.row)
-        if batch:
-            it.forward = list(batch)
-            for r in batch:
-                if produced[r] < rows[r].max_tokens:
-                    it.emits[r] = produced[r]
-                    produced[r] += 1
-            # pipelined read: a row whose last token came from the previous forward leaves now
-            prev = its[-1].emits if its else {}
-            it.retire = [r for r in batch if r in prev and prev[r] == rows[r].max_tokens - 1]
-            batch = [r for r in batch if r not in it.retire]
-            done.update(it.retire)
-            for r in it.retire if store is not None else []:
-                m = rows[r].max_tokens
-                _snap(store, it, seqs[r] + tuple(("o", r, s) for s in range(m)), (r, L[r] + m))
-        its.append(it)
-        k += 1
-        if k > 100_000:
-            raise RuntimeError("plan did not terminate")
-    return its
-
-
-def _snap(store: _Store, it: Iteration, key: tuple, src: tuple) -> None:
-    if not key:
-        return
-    it.snaps.append(list(src))
-    store.insert(key, src)
-
-
-def plan_json(case: Case) -> list[dict]:
-    return [asdict(i) | {"emits": {str(r): s for r, s in i.emits.items()},
-                         "seeds": {str(r): s for r, s in i.seeds.items()}} for i in plan(case)]
-
 
 TOPK = 5
 

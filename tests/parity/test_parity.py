@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mlxb.parity.cases import make_case
-from mlxb.parity.protocol import Case, RowSpec, plan
+from mlxb.parity.plan import plan
+from mlxb.parity.protocol import Case, RowSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.parity
@@ -56,8 +57,9 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     assert out["ok"] and all(x["ok"] for x in res)
     live = [x for x in res if x["against"] == "live"]
     gold = [x for x in res if x["against"].startswith("golden")]
-    assert len(live) == len(gold) == 480  # 6 presets x (8 general + special + prefix) cases (+ quant on 2) x B=1..4 x 2 dtypes
-    assert sum(x["steps"] for x in live) == 13476  # coverage: row-steps incl. the burst, prefix, grammar, quant, lora cases
+    # 6 presets x (8 general + special + prefix) cases (+ quant on 2, spec on 3) x B=1..4 x 2 dtypes
+    assert len(live) == len(gold) == 504
+    assert sum(x["steps"] for x in live) == 14796  # coverage: row-steps incl. the burst, prefix, grammar, quant, lora, spec cases
     assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
     mine = ROOT / "goldens" / out["machine_key"]
     for x in gold:  # this machine's file is used wherever one is committed, the shared layer otherwise
@@ -69,7 +71,8 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
 @pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
                                         ("double_last_token", "static"), ("always_aligned", "join"),
                                         ("prefix_off_by_one", "prefix"), ("grammar_one_step_late", "grammar"),
-                                        ("kv_stale_scale", "quant"), ("lora_shift", "lora")])
+                                        ("kv_stale_scale", "quant"), ("lora_shift", "lora"),
+                                        ("spec_rollback_off_by_one", "spec")])
 def test_negative_control_fails(fault, case):
     r = mlxb("parity", "-m", "tiny-llama", "--b", "3", "-c", case, "--against", "both", "--plant-fault", fault)
     assert r.returncode == 1, r.stdout
@@ -161,3 +164,44 @@ def test_a_case_that_cannot_run_fails_alone_with_its_reason(tmp_path):
     res = parity(target("tiny-llama", None), [bad, good], "live", tmp_path, "cpu-test")
     assert not res[0].ok and "failed on this case" in res[0].error
     assert res[1].ok and res[1].counts()["exact"] == res[1].counts()["steps"] > 0
+
+
+def test_spec_plan_settles_verify_steps_with_the_executors_gains():
+    """A verify step's gains advance a row by several tokens and retire it at once (no lookahead);
+    a plain step retires after the lookahead; a gain past max_tokens is refused."""
+    from mlxb.parity.plan import Planner
+
+    c = Case("m", "float32", "spec", 2, 0, [RowSpec([5] * 4, 6, 0), RowSpec([6] * 3, 3, 0)], spec={"ngram": 3, "rows": [4, 0]})
+    p = Planner(c)
+    it = p.end(p.begin(), {0: 3, 1: 1}, verify=True)  # row 0: two drafts kept + the bonus token
+    assert it.forward == [0, 1] and it.emits == {0: 1, 1: 1} and it.gains == {0: 3} and it.retire == []
+    it = p.end(p.begin(), {0: 2, 1: 1}, verify=True)  # row 0 reaches 6, row 1 reaches 3: both leave now
+    assert it.retire == [0, 1] and p.finished
+    p = Planner(c)
+    p.end(p.begin(), {0: 1, 1: 1})
+    with pytest.raises(ValueError):
+        p.end(p.begin(), {0: 5, 1: 1}, verify=True)  # row 0 has 4 tokens left
+
+
+def test_spec_case_speculates_partly_and_the_oracle_agrees_on_the_rule():
+    """The spec case really exercises verification (accepted and rejected drafts, rows without drafts in
+    a verify step) and the oracle's written-out lookup proposes what the engine's proposer does."""
+    import numpy as np
+
+    from mlxb.engine.spec import HOLE_FRACTION, HOLE_MIN, LookupProposer
+    from mlxb.models import load_model
+    from mlxb.oracle.spec import lookup
+    from mlxb.parity.driver import run_engine
+    from mlxb.parity.protocol import SPEC_HOLE_FRACTION, SPEC_HOLE_MIN
+
+    assert (HOLE_MIN, HOLE_FRACTION) == (SPEC_HOLE_MIN, SPEC_HOLE_FRACTION)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        h = rng.integers(0, 4, size=int(rng.integers(0, 30)))
+        k, n = int(rng.integers(0, 6)), int(rng.integers(1, 5))
+        assert LookupProposer(n).propose(h, k) == lookup(h.tolist(), k, n), (h.tolist(), k, n)
+    m, tok, _, _ = load_model("tiny-llama", "float32")
+    out = run_engine(m, tok, make_case("tiny-llama", "float32", "spec", 4))
+    st = out["spec"]
+    assert out["schedule_mismatch"] is None
+    assert st["verify_steps"] >= 5 and 0 < st["accepted"] < st["drafted"], st
