@@ -44,6 +44,7 @@ def spec_bench(
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32),
     lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16),
     spec_max_batch: int = typer.Option(64, "--spec-max-batch", min=1, help="Speculate up to this many rows (the bench default measures every B)."),
+    spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Draft --num-draft-tokens every step (no adaptation or pauses), as serve --spec-fixed."),
     batches: str = typer.Option("1,8", "--batches"),
     regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random."),
     context: int = typer.Option(512, "--context", min=8, help="Prompt tokens per row."),
@@ -59,11 +60,11 @@ def spec_bench(
     bs = _ints(batches, "--batches", "1,8")
     m, tok, mspec, path = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
-                     draft_model, dtype, spec_max_batch)
+                     draft_model, dtype, spec_max_batch, adaptive=not spec_fixed)
     with console.status("benchmarking ...") as status:
         res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
                   repeats=repeats, progress=lambda s: status.update(f"benchmarking: {s}"))
-    what = f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup"
+    what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")
     t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
     for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance"):
         t.add_column(c)

@@ -1,6 +1,9 @@
 """Where a speculating engine's iterations go (cProfile over Engine.iterate), against plain decoding.
 
-    python scripts/spec_profile.py MODEL_DIR --batch 8 --context 512 --gen 96
+    python scripts/spec_profile.py MODEL_DIR --batch 8 --context 512 --gen 96 [--arms plain,adaptive,fixed] [--quiet]
+
+Arms: ``plain`` (no speculation), ``adaptive`` (the served default: K adapts, pauses on low acceptance),
+``fixed`` (``--spec-fixed``: K drafts every step). Each arm runs twice, interleaved.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--gen", type=int, default=96)
     ap.add_argument("--regime", default="repetitive")
+    ap.add_argument("--arms", default="plain,adaptive")
+    ap.add_argument("--quiet", action="store_true", help="no cProfile listing")
     a = ap.parse_args()
+    arms = {"plain": None, "adaptive": SpecConfig(max_batch=64), "fixed": SpecConfig(max_batch=64, adaptive=False)}
     m, tok, _, _ = load_model(a.model)
     ps = prompts_for(a.regime, a.batch, a.context, 8000)
-    for spec in (None, SpecConfig(), None, SpecConfig()):
+    for name in a.arms.split(",") * 2:
+        spec = arms[name]
         eng = Engine(m, tok, max_batch=max(2, a.batch), prefill_chunk=4096, spec=spec)
         reqs = [Request(f"r{i}", p, a.gen, ignore_eos=True) for i, p in enumerate(ps)]
         for r in reqs:
@@ -44,12 +51,12 @@ def main() -> None:
         pr.disable()
         dt = time.perf_counter() - t
         n = sum(r.num_generated for r in reqs) - n0
-        print(f"{'spec' if spec else 'plain'}: {n / dt:.0f} tok/s, {it} iterations, {dt / it * 1e3:.1f} ms each",
+        print(f"{name}: {n / dt:.0f} tok/s, {it} iterations, {dt / it * 1e3:.1f} ms each",
               eng.spec_stats() and {k: eng.spec_stats()[k] for k in ("verify_steps", "drafted", "accepted")})
         tm = eng.runner.timing
         print({k: round(v * 1e3 / max(1, tm["steps"] if "verify" not in k else eng.runner.spec_counts["verify_steps"]), 2)
                for k, v in tm.items() if k.endswith("_s")}, "plain steps", tm["steps"])
-        if spec is not None:
+        if spec is not None and not a.quiet:
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
 
 

@@ -80,7 +80,7 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                             "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
                             "drafted": drafted, "accepted": sum(r["accepted"] for r in sp),
                             "acceptance": sum(r["accepted"] for r in sp) / drafted if drafted else None})
-    return {"config": {"method": spec.method, "draft_model": spec.draft_name, "num_draft_tokens": spec.num_draft_tokens,
+    return {"config": {"method": spec.method, "draft_model": spec.draft_name, "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive,
                        "lookup_ngram": spec.lookup_ngram, "context": context, "gen": gen, "repeats": repeats,
                        "batches": list(batches), "regimes": list(regimes)},
             "rows": rows, "summary": summary}
