@@ -182,13 +182,13 @@ class Engine:
         r = self.runner
         if r.spec is None:
             return None
-        c = r.spec_counts
+        c, sp = r.spec_counts, r.spec
         off = r.spec_off or ("--batch 1 is the strict serial lane (mlx-lm's generate_step); speculation runs on "
                              "the batch lane" if self.max_batch == 1 else None)
-        return {"method": r.spec.method, "draft_model": r.spec.draft_name, "max_batch": r.spec.max_batch,
-                "num_draft_tokens": r.spec.num_draft_tokens, "adaptive": r.spec.adaptive, "active": off is None,
-                "off_reason": off, "verify_steps": c["verify_steps"], "drafted": c["drafted"],
-                "accepted": c["accepted"], "acceptance": round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None}
+        acc = round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None
+        return {"method": sp.method, "draft_model": sp.draft_name, "max_batch": sp.max_batch, "adaptive": sp.adaptive,
+                "num_draft_tokens": sp.num_draft_tokens, "active": off is None, "off_reason": off, "acceptance": acc,
+                **{k: c[k] for k in ("verify_steps", "drafted", "accepted")}, "verify_cost_plain_steps": round(r.step_cost.ratio, 3)}
 
     @property
     def prompt_cache(self):

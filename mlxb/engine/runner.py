@@ -36,7 +36,7 @@ from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler, sample_rows
-from mlxb.engine.spec import RowSpec, row_spec, setup, spec_step
+from mlxb.engine.spec import RowSpec, StepCost, row_spec, setup, decode as spec_decode
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
@@ -84,6 +84,7 @@ class Runner:
         self.kv = check_plan(as_plan(kv_scheme, len(kinds)), kinds)  # KVPlan (--kv-bits / --kv-config) or None
         self.spec, self.spec_off, self.proposer = setup(spec, kinds)  # --spec: config, why off, proposer
         self.spec_counts: dict[str, int] = defaultdict(int)
+        self.step_cost = StepCost()  # --spec: what a verify step costs in plain steps here (measured)
         self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
         self.capture = capture
         self.faults = faults
@@ -272,8 +273,7 @@ class Runner:
 
     def decode_step(self) -> list[Emitted]:
         """A verify step where some row has drafts (--spec), otherwise a plain pipelined step."""
-        flushed, verified = spec_step(self) if self.proposer is not None else ([], None)
-        return flushed + (verified if verified is not None else self._plain_step())
+        return spec_decode(self) if self.proposer is not None else self._plain_step()
 
     def _plain_step(self) -> list[Emitted]:
         t0 = time.perf_counter()

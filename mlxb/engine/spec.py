@@ -27,7 +27,9 @@ so a draft the grammar forbids is never kept.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -104,22 +106,53 @@ class RowSpec:
     backoff: int = COOLDOWN
     adaptive: bool = True
 
-    def adapt(self, n: int, a: int) -> None:
+    def adapt(self, n: int, a: int, cost: float = MIN_GAIN) -> None:
         """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
         length, and a pause (doubling while it keeps failing) when the tokens a verify step is expected
-        to give, 1 + alpha + ... + alpha^k, fall below ``MIN_GAIN``: a verify step costs more than a
-        plain one (a wider forward, and the host waits for it)."""
+        to give, 1 + alpha + ... + alpha^k, fall below ``cost``: what a verify step costs in plain steps
+        on this machine (``StepCost``; a wider forward, and the host waits for it)."""
         self.drafted += n
         self.accepted += a
         if n == 0 or not self.adaptive:
             return
         self.k = min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
         self.alpha = 0.6 * self.alpha + 0.4 * (a / n)
-        if sum(self.alpha ** j for j in range(self.kmax + 1)) < MIN_GAIN:
+        if sum(self.alpha ** j for j in range(self.kmax + 1)) < cost:
             self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
             self.alpha = ALPHA0  # probe again after the pause
         else:
             self.backoff = COOLDOWN
+
+
+class StepCost:
+    """What a verify step costs on this machine, in plain steps: the median wall time of the last
+    ``n`` verify steps over that of the last ``n`` plain ones (``MIN_GAIN`` until both were seen).
+    Measured, because it differs by an order of magnitude between machines: on a compute-bound CPU
+    a [1, 5] forward costs about five [1, 1] ones, on an H200 (synth-llama-8b, B=1 and B=8) a verify
+    step about two plain ones, host wait included."""
+
+    def __init__(self, n: int = 16):
+        self.plain: deque = deque(maxlen=n)
+        self.verify: deque = deque(maxlen=n)
+
+    def observe(self, verify: bool, seconds: float) -> None:
+        (self.verify if verify else self.plain).append(seconds)
+
+    @property
+    def ratio(self) -> float:
+        if not self.plain or not self.verify:
+            return MIN_GAIN
+        return min(max(statistics.median(self.verify) / statistics.median(self.plain), 1.0), 33.0)
+
+
+def decode(r) -> list:
+    """A decode step with speculation on: a verify step where some row drafts, else the plain one;
+    its wall time feeds ``r.step_cost``."""
+    t = time.perf_counter()
+    flushed, verified = spec_step(r)
+    out = flushed + (verified if verified is not None else r._plain_step())
+    r.step_cost.observe(verified is not None, time.perf_counter() - t)
+    return out
 
 
 def accept_sampled(sampler, logprobs: mx.array, draft: int) -> tuple[int, bool]:
@@ -285,7 +318,7 @@ def verify_step(r, props: list[list[int]]) -> list:
         if row.context is not None:
             row.context = mx.concatenate([row.context, x[i, : a + 1]])
         if row.spec is not None and p:
-            row.spec.adapt(len(p), a)
+            row.spec.adapt(len(p), a, r.step_cost.ratio)
             row.req.spec_drafted, row.req.spec_accepted = row.spec.drafted, row.spec.accepted
         r.spec_counts["drafted"] += len(p)
         r.spec_counts["accepted"] += a

@@ -286,3 +286,23 @@ def test_warm_up_runs_verify_steps_then_leaves_the_engine_clean(tiny_models):
     assert stats["verify_steps"] > 0
     assert eng.spec_stats()["verify_steps"] == 0 and not eng._live and eng.counters["steps"] == 0
     assert eng.runner.proposer.__class__.__name__ == "LookupProposer"
+
+
+def test_pauses_follow_the_verify_cost_measured_on_this_machine():
+    """A row pauses when the tokens a verify step should give fall below what a verify step costs in
+    plain steps here (median wall times): the same acceptance keeps speculating where a verify step
+    costs 1.8 plain steps (an H200) and pauses where it costs 4.7 (a compute-bound CPU); --spec-fixed
+    never pauses."""
+    from mlxb.engine.spec import MIN_GAIN, RowSpec, StepCost
+
+    cost = StepCost()
+    assert cost.ratio == MIN_GAIN  # nothing measured yet
+    for dt in (0.005, 0.005, 0.5):  # a first-shape compile does not move the median
+        cost.observe(False, dt)
+        cost.observe(True, 1.8 * dt)
+    assert abs(cost.ratio - 1.8) < 1e-9
+    gpu, cpu, fixed = RowSpec(4, 4), RowSpec(4, 4), RowSpec(4, 4, adaptive=False)
+    for st, c in ((gpu, cost.ratio), (cpu, 4.7), (fixed, 4.7)):
+        st.adapt(4, 2, c)  # alpha 0.62: a verify step should give 2.39 tokens
+    assert gpu.cooldown == 0 and cpu.cooldown > 0 and fixed.cooldown == 0
+    assert (gpu.k, cpu.k, fixed.k) == (3, 3, 4)
