@@ -222,7 +222,7 @@ def spec_step(r) -> tuple[list, Optional[list]]:
     for row in r.rows:
         if row.spec is not None and row.spec.cooldown > 0:
             row.spec.cooldown -= 1
-    if len(r.rows) > r.spec.max_batch or not wants_verify(r.rows):
+    if len(r.rows) > r.spec.max_batch or not wants_verify(r.rows) or not pays(r):
         return [], None
     flushed = []
     if any(p is not None for p in r.pending):
@@ -230,6 +230,18 @@ def spec_step(r) -> tuple[list, Optional[list]]:
         r.pending = [None] * len(r.rows)
     props = propose_all(r)
     return flushed, (verify_step(r, props) if any(props) else None)
+
+
+def pays(r) -> bool:
+    """A verify step is taken by the whole batch: every row pays its cost (``StepCost``), while only the
+    speculating rows gain more than one token. Worth it when the rows' expected tokens per step, a
+    speculating row's 1 + alpha + ... + alpha^k and every other row's 1, average at least the measured
+    cost in plain steps (with --spec-fixed: always)."""
+    if not r.spec.adaptive:
+        return True
+    gain = [sum(row.spec.alpha ** j for j in range(row.spec.k + 1))
+            if row.spec is not None and row.spec.cooldown == 0 else 1.0 for row in r.rows]
+    return sum(gain) >= r.step_cost.ratio * len(gain)
 
 
 def wants_verify(rows) -> bool:

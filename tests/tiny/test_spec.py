@@ -12,7 +12,7 @@ from mlxb.engine.spec import LookupProposer, SpecConfig, accept_sampled
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request, SamplingParams
 
-SPEC = SpecConfig("lookup", 4, 3, max_batch=8)
+SPEC = SpecConfig("lookup", 4, 3, max_batch=8, adaptive=False)  # the mechanism, not the cost gate (tested apart)
 
 
 def repetitive_prompts(seed=2):
@@ -306,3 +306,21 @@ def test_pauses_follow_the_verify_cost_measured_on_this_machine():
         st.adapt(4, 2, c)  # alpha 0.62: a verify step should give 2.39 tokens
     assert gpu.cooldown == 0 and cpu.cooldown > 0 and fixed.cooldown == 0
     assert (gpu.k, cpu.k, fixed.k) == (3, 3, 4)
+
+
+def test_a_verify_step_runs_only_when_the_whole_batch_gains():
+    """Every row of the batch pays for a verify step; one well-accepting row among seven plain ones does
+    not make it worth 1.8 plain steps, eight of them do."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(False, 0.005)
+    cost.observe(True, 0.009)
+    good = lambda: NS(spec=RowSpec(4, 4, alpha=0.8))  # noqa: E731
+    one = NS(spec=SpecConfig(), rows=[good()] + [NS(spec=None) for _ in range(7)], step_cost=cost)
+    eight = NS(spec=SpecConfig(), rows=[good() for _ in range(8)], step_cost=cost)
+    alone = NS(spec=SpecConfig(), rows=[good()], step_cost=cost)
+    assert not pays(one) and pays(eight) and pays(alone)
+    assert pays(NS(spec=SpecConfig(adaptive=False), rows=one.rows, step_cost=cost))  # --spec-fixed
