@@ -12,8 +12,11 @@ step ``commit`` keeps the drafts the target accepted and rolls back the others (
 ``speculative_generate_step`` keeps ``max(num_draft - accepted - 1, 0)`` fewer for the same reason:
 the last draft token was never fed to the draft).
 
-Drafts are point masses (the draft's argmax), so the verify step's acceptance rule applies unchanged
-and sampled rows keep the target's distribution exactly.
+Greedy rows draft the draft model's argmax (a point mass). A sampled row (temperature > 0, no
+penalties or grammar) draws its drafts from the draft model's distribution under the row's own
+filters and temperature, with the row's key stream, and the verify step keeps a draft with
+probability min(1, pi/q) (``accept_sampled`` with ``q``): the target's distribution exactly, with
+more drafts kept than the point-mass rule when the two models agree.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class DraftProposer:
         self.caches = None
         self.merged = False
         self._width = 0  # drafts generated in the last propose (for commit)
+        self.q = None  # per row: the draft distributions of its sampled drafts (None: greedy row / no sampled row)
 
     # ---- following the target's rows ---------------------------------------------------------
     def _sync(self, rows) -> None:
@@ -94,6 +98,7 @@ class DraftProposer:
         rows = r.rows
         K = max(ks)
         if K <= 0:
+            self.q = None
             return [[] for _ in rows]
         self._sync(rows)
         behind = [row.tokens[s:] for row, s in zip(rows, self.seen)]
@@ -101,17 +106,37 @@ class DraftProposer:
         x = mx.array([b + [b[-1]] * (W - len(b)) for b in behind], dtype=mx.uint32)
         logits = self.model(x, cache=self.caches)
         last = mx.array([len(b) - 1 for b in behind])
-        tok = mx.argmax(mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :], axis=-1)
+        sampled = [not row.sampler.greedy and not row.sampler.processors and row.sampler.constraint is None
+                   for row in rows]
+        self.q = [[] if s else None for s in sampled] if any(sampled) else None
+        tok = self._pick(rows, mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :], sampled)
         rollback(self.caches, self.kinds, [W - len(b) for b in behind], self.merged)
         drafts = [tok]
         for _ in range(K - 1):
-            tok = mx.argmax(self.model(tok[:, None], cache=self.caches)[:, -1, :], axis=-1)
+            tok = self._pick(rows, self.model(tok[:, None], cache=self.caches)[:, -1, :], sampled)
             drafts.append(tok)
         out = mx.stack(drafts, axis=1)
-        mx.eval(out)
+        mx.eval(out, [q for qs in self.q or [] if qs for q in qs])
         self.seen = [len(row.tokens) for row in rows]
         self._width = K
         return [d[:k] for d, k in zip(out.tolist(), ks)]
+
+    def _pick(self, rows, logits: mx.array, sampled: list[bool]) -> mx.array:
+        """Each row's next draft: the argmax, or for a sampled row a draw from the draft's distribution
+        under the row's filters and temperature (kept in ``self.q`` for the verify step)."""
+        tok = mx.argmax(logits, axis=-1)
+        if self.q is None:
+            return tok
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        out = []
+        for i, row in enumerate(rows):
+            if not sampled[i]:
+                out.append(tok[i : i + 1])
+                continue
+            x = row.sampler.draw_logits(lp[i : i + 1])
+            self.q[i].append(mx.softmax(x, axis=-1)[0])
+            out.append(mx.random.categorical(x, key=row.sampler.next_key()).astype(tok.dtype))
+        return mx.concatenate(out)
 
     def commit(self, r, kept: list[int]) -> None:
         """After the verify step: keep the accepted drafts the draft caches hold (at most K - 1 of

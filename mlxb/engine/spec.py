@@ -155,14 +155,23 @@ def decode(r) -> list:
     return out
 
 
-def accept_sampled(sampler, logprobs: mx.array, draft: int) -> tuple[int, bool]:
-    """The speculative-sampling rule for a point-mass draft (see the module notes)."""
+def accept_sampled(sampler, logprobs: mx.array, draft: int, q: Optional[mx.array] = None) -> tuple[int, bool]:
+    """The speculative-sampling rule. ``q`` ([V]): the distribution the draft was drawn from (a draft
+    model's sampled row): keep it with probability min(1, pi(d) / q(d)), else draw from the residual
+    max(pi - q, 0) normalized (Leviathan et al.). Without ``q`` the draft is a point mass (lookup, or a
+    greedy draft model): keep it with probability pi(d), else draw from pi without d (module notes).
+    Both give exactly pi; with the draft's own q more drafts are kept."""
     x = sampler.draw_logits(logprobs)  # [1, V]
     pi = mx.softmax(x, axis=-1)
     u = mx.random.uniform(key=sampler.next_key())
-    if (u < pi[0, draft]).item():
-        return draft, True
-    rest = mx.where(mx.arange(x.shape[-1]) == draft, -mx.inf, x)
+    if q is None:
+        if (u < pi[0, draft]).item():
+            return draft, True
+        rest = mx.where(mx.arange(x.shape[-1]) == draft, -mx.inf, x)
+    else:
+        if (u * q[draft] < pi[0, draft]).item():
+            return draft, True
+        rest = mx.log(mx.maximum(pi - q[None].astype(pi.dtype), 0))
     return int(mx.random.categorical(rest, key=sampler.next_key()).item()), False
 
 
@@ -317,8 +326,10 @@ def verify_step(r, props: list[list[int]]) -> list:
                     lg = row.sampler.constraint.apply(lg)
                 lp = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
                 if j < len(p):
+                    q = getattr(r.proposer, "q", None)
+                    q = q[i][j] if q and q[i] is not None else None  # a draft model's own distribution
                     t, ok = ((int(mx.argmax(lp, axis=-1).item()), None) if row.sampler.greedy
-                             else accept_sampled(row.sampler, lp, p[j]))
+                             else accept_sampled(row.sampler, lp, p[j], q))
                     ok = (t == p[j]) if ok is None else ok
                 else:
                     t, ok = int(row.sampler.sample(lp).item()), False

@@ -324,3 +324,49 @@ def test_a_verify_step_runs_only_when_the_whole_batch_gains():
     alone = NS(spec=SpecConfig(), rows=[good()], step_cost=cost)
     assert not pays(one) and pays(eight) and pays(alone)
     assert pays(NS(spec=SpecConfig(adaptive=False), rows=one.rows, step_cost=cost))  # --spec-fixed
+
+
+def test_drafts_drawn_from_the_drafts_distribution_keep_the_targets():
+    """A draft d drawn from q, kept with probability min(1, pi(d)/q(d)), else a draw from max(pi - q, 0):
+    the output follows pi (chi-square) and more drafts are kept than by the point-mass rule. Told the
+    wrong q (uniform, while d came from a peaked q), the same test fails: it can tell."""
+    from scipy.stats import chisquare
+
+    from mlxb.engine.sampler import RowSampler
+
+    lp = mx.array([[2.0, 0.5, 1.5, -1.0, 0.0, -3.0]])
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    pi = np.array(mx.softmax(lp, axis=-1))[0].astype(np.float64)
+    near = np.array(mx.softmax(mx.array([[1.5, 0.8, 1.5, -0.5, 0.2, -2.0]]), axis=-1))[0]
+    peaked = np.array(mx.softmax(mx.array([[0.0, 0.0, 0.0, 0.0, 4.0, 0.0]]), axis=-1))[0]
+
+    def trial(q_draw, q_told, n=3000):
+        rng = np.random.default_rng(0)
+        counts, kept = np.zeros(6), 0
+        for seed in range(n):
+            d = int(rng.choice(6, p=q_draw / q_draw.sum()))
+            q = None if q_told is None else mx.array(q_told.astype(np.float32))
+            t, ok = accept_sampled(RowSampler(SamplingParams(temperature=1.0, seed=seed)), lp, d, q)
+            counts[t] += 1
+            kept += ok
+        return chisquare(counts, pi / pi.sum() * n).pvalue, kept / n
+
+    p_q, kept_q = trial(near, near)
+    p_point, kept_point = trial(near, None)
+    assert p_q > 1e-3 and p_point > 1e-3 and kept_q > kept_point + 0.1, (kept_q, kept_point)
+    assert trial(peaked, np.full(6, 1 / 6))[0] < 1e-6
+
+
+def test_sampled_rows_keep_every_self_draft(tiny_models):
+    """The target as its own draft at temperature 0.8: each draft is drawn from the distribution the
+    verify step computes, so pi/q is 1 and every draft is kept (the point-mass rule keeps only a
+    fraction); a seed repeats."""
+    model, tok = tiny_models("tiny-llama")[:2]
+    prompts = repetitive_prompts()
+    sp = SamplingParams(temperature=0.8, seed=5)
+    cfg = SpecConfig("draft", 4, draft_model=model, max_batch=8, adaptive=False)
+    a, eng = run(model, tok, prompts, [0, 1, 2, 3], 4, 24, spec=cfg, sp=sp)
+    st = eng.spec_stats()
+    assert st["drafted"] > 40 and st["accepted"] == st["drafted"], st
+    b, _ = run(model, tok, prompts, [0, 1, 2, 3], 4, 24, spec=cfg, sp=sp)
+    assert [tokens(x) for x in a] == [tokens(y) for y in b]
