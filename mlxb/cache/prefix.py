@@ -62,8 +62,12 @@ class PrefixCache:
     """Token-prefix trie of snapshots, capped by ``max_bytes`` (and optionally ``max_entries``).
 
     ``on_evict(entry)`` is called for every entry that leaves by eviction (the SSD tier spills it
-    there); entries removed as redundant or by ``remove`` are not reported.
+    there); entries removed as redundant or by ``remove`` are not reported. ``on_remove(entry)`` is
+    called for every entry that leaves the index, whatever the reason (``--tp`` frees the other
+    ranks' copies).
     """
+
+    on_remove: Optional[Callable[[PrefixEntry], None]] = None
 
     def __init__(self, max_bytes: int, max_entries: Optional[int] = None,
                  on_evict: Optional[Callable[[PrefixEntry], None]] = None):
@@ -170,6 +174,9 @@ class PrefixCache:
         self._shrink(self.max_bytes, keep=entry)
         return entry
 
+    def __contains__(self, entry: PrefixEntry) -> bool:
+        return id(entry) in self._nodes and self._lru.get(id(entry)) is entry
+
     def remove(self, entry: PrefixEntry) -> bool:
         """Drop ``entry`` from the index (not reported to ``on_evict``). Returns False if absent."""
         node = self._nodes.pop(id(entry), None)
@@ -179,6 +186,8 @@ class PrefixCache:
         self.total_bytes -= entry.nbytes
         node.entry = None
         self._prune(node)
+        if self.on_remove is not None:
+            self.on_remove(entry)
         return True
 
     def evict(self, num_bytes: int) -> int:

@@ -32,7 +32,10 @@ def default_cache_bytes(kv_budget: Optional[int], weights_bytes: int = 0) -> int
 
 def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: Optional[int] = None,
                        max_entries: Optional[int] = None, disk_dir: Optional[str] = None,
-                       disk_bytes: Optional[int] = None):
+                       disk_bytes: Optional[int] = None, mirrored: bool = False):
+    """``mirrored`` (--tp): rank 0's cache tells the other ranks what to keep (RAM tier only)."""
+    from functools import partial
+
     from mlxb.cache.prompt_cache import PromptCache
     from mlxb.models.synth import mlxb_home
 
@@ -40,8 +43,13 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
         return None
     from mlx.utils import tree_flatten
 
+    cls = PromptCache
+    if mirrored:
+        from mlxb.engine.tp_cache import MirroredPromptCache
+
+        cls = partial(MirroredPromptCache, runner=engine.runner)
     weights = sum(a.nbytes for _, a in tree_flatten(engine.model.parameters()))
-    return PromptCache(engine.model, engine.kinds,
+    return cls(engine.model, engine.kinds,
                        max_bytes=default_cache_bytes(kv_budget, weights) if max_bytes is None else max_bytes,
                        memory_limit=int(0.75 * device_memory()),
                        max_entries=max_entries,
@@ -106,7 +114,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 60.0,
                   **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
-    link = tp_link(tp, batch=batch, spec=spec or draft_model) if tp > 1 else None
+    link = tp_link(tp, batch=batch, spec=spec or draft_model, prompt_cache_dir=prompt_cache_dir) if tp > 1 else None
     scheme = None
     if kv_bits is not None:
         from mlxb.cache.kv_plan import KVScheme
@@ -123,7 +131,6 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         from mlxb.engine.tp_follower import run_follower
 
         shard_model(m, link.group, spec_.name)
-        prompt_cache = False  # not mirrored across ranks (mlxb.engine.tp)
     if adapters:  # {name: folder}: every adapter over the shared base, chosen per row
         from mlxb.engine.lora import install, read_adapter
         from mlxb.errors import ValidationError
@@ -172,7 +179,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
 
         raise ValidationError(str(e), param="kv_group_size") from None
     pc = build_prompt_cache(engine, kv_budget=kv_budget, max_bytes=prompt_cache_bytes, max_entries=prompt_cache_size,
-                            disk_dir=prompt_cache_dir, disk_bytes=prompt_cache_disk_bytes) if prompt_cache else None
+                            disk_dir=prompt_cache_dir, disk_bytes=prompt_cache_disk_bytes,
+                            mirrored=link is not None) if prompt_cache else None
     engine.attach_prompt_cache(pc)  # NOTE: the warm-up runs the cache paths too, then empties the RAM tier
     engine.warmup = warm_up(engine) if warmup else None  # before traffic: first-use kernel compiles
     engine.start()
@@ -187,7 +195,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     return gw
 
 
-def tp_link(tp: int, *, batch: int, spec):
+def tp_link(tp: int, *, batch: int, spec, prompt_cache_dir: Optional[str] = None):
     """``--tp N``: refuse what is not mirrored across ranks yet, then join the ``mlx.launch`` group."""
     from mlxb.errors import ValidationError
 
@@ -197,6 +205,9 @@ def tp_link(tp: int, *, batch: int, spec):
     if spec:
         raise ValidationError("--spec / --draft-model is not available with --tp yet (not mirrored across ranks); "
                               "leave it out or run without --tp", param="tp")
+    if prompt_cache_dir:
+        raise ValidationError("--prompt-cache-dir: the prompt cache's SSD tier is not mirrored across --tp ranks "
+                              "(its RAM tier is); leave --prompt-cache-dir out with --tp", param="prompt_cache_dir")
     from mlxb.engine.tp import Link, init_group
 
     return Link(init_group(tp))

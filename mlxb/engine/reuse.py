@@ -62,6 +62,9 @@ class PrefixReuse:
             assert m is not None and m.num_tokens >= n, (req.request_id, n)
             entry = m.entry
         n_eff = n - 1 if "prefix_off_by_one" in self.engine.runner.faults else n  # planted bug (parity control)
+        mirror = getattr(self.engine.runner, "mirror_seed", None)  # --tp: the other ranks seed from their copy
+        if mirror is not None:
+            mirror(req, entry, n_eff)
         return self.cache.lend(PrefixMatch(entry, n_eff))
 
     def boundary_snapshot(self, row, chunk) -> None:

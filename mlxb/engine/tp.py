@@ -50,6 +50,7 @@ from mlxb.errors import ValidationError
 from mlxb.request import Request
 
 NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
+SEED, PUT, FREE, EXTRACT = range(14, 18)  # the prompt cache's entries on every rank (mlxb.engine.tp_cache)
 JOIN_MODES = ("extend", "merge")
 HEAD = 32  # words in the first all_sum of a message (its length, then up to 31 words)
 EXIT_CODE = 70  # the process exits with this when a rank stopped answering
@@ -200,6 +201,9 @@ class TPRunner(Runner):
                                    len(lora_recipes or []), *recipes, *_plan_words(self.kv, len(kinds))]
         self._gone: deque = deque()  # keys of rank-0 rows garbage-collected: followers drop theirs
         self._next_key = 0
+        self._rows = weakref.WeakValueDictionary()  # key -> row (prompt-cache sources and seeds)
+        self._sources: dict = {}  # id(layers) -> (layers, (SRC_*, index)): snapshots the followers can name
+        self._free_later: list[int] = []
         self._last_message = time.monotonic()
         self._flush()  # now: the Engine's KV projection forward comes next
         self.link.busy_since = None
@@ -230,7 +234,38 @@ class TPRunner(Runner):
         self._next_key += 1
         self._queued += [NEW, key, req.adapter, len(req.prompt_ids), *req.prompt_ids]
         weakref.finalize(row, self._gone.append, key)
+        self._rows[key] = row
         return row
+
+    # ---- the prompt cache (mlxb.engine.tp_cache) ----------------------------------------------
+    def cache_source(self, layers) -> Optional[tuple]:
+        """How the other ranks name ``layers``: a row's prefill caches, a cohort row or an extracted row."""
+        from mlxb.engine.tp_cache import SRC_ROW
+
+        for key, row in list(self._rows.items()):
+            if row.solo is layers:
+                return (SRC_ROW, key)
+        hit = self._sources.get(id(layers))
+        return hit[1] if hit is not None and hit[0] is layers else None
+
+    def queue_cache_op(self, *words: int) -> None:
+        self._queued += list(words)
+
+    def queue_cache_free_later(self, eid: int) -> None:
+        self._free_later.append(eid)
+
+    def mirror_seed(self, req, entry, n: int) -> None:
+        row = next(r for r in self._rows.values() if r.req is req)
+        self._queued += [SEED, row.tp_key, entry.tp_id, n]
+
+    def extract_rows(self, indices):
+        from mlxb.engine.tp_cache import SRC_EXTRACT
+
+        out = super().extract_rows(indices)
+        self._queued += [EXTRACT, len(indices), *indices]
+        for j, (_, layers, _) in enumerate(out):
+            self._sources[id(layers)] = (layers, (SRC_EXTRACT, j))
+        return out
 
     def prefill_chunk(self, row, start, end, is_last):
         return self._mirrored((CHUNK, row.tp_key, start, end, int(is_last)), super().prefill_chunk, row, start, end, is_last)
@@ -239,10 +274,18 @@ class TPRunner(Runner):
         return self._mirrored((FIRST, row.tp_key), super().first_token, row)
 
     def prefill_cohort(self, rows, starts=None, snapshot=None):
-        if snapshot is not None:
-            raise RanksOutOfStep("cohort snapshots (the prompt cache) are not mirrored under --tp")
+        from mlxb.engine.tp_cache import SRC_COHORT
+
         starts = starts or [0] * len(rows)
-        return self._mirrored((COHORT, len(rows), *[r.tp_key for r in rows], *starts), super().prefill_cohort, rows, starts)
+        named = None
+        if snapshot is not None:  # the followers extract every cohort row too; PUT names the ones kept
+
+            def named(i, layers):
+                self._sources[id(layers)] = (layers, (SRC_COHORT, i))
+                snapshot(i, layers)
+
+        return self._mirrored((COHORT, len(rows), *[r.tp_key for r in rows], *starts, int(snapshot is not None)),
+                              super().prefill_cohort, rows, starts, named)
 
     def join_cohort(self, caches, rows, tokens, keep):
         self._queued += [JOIN_COHORT, len(rows), *[r.tp_key for r in rows], *tokens, len(keep), *keep]
@@ -253,6 +296,9 @@ class TPRunner(Runner):
         return super().join(row, token0)
 
     def decode_step(self):
+        for eid in self._free_later:  # entries larger than the RAM tier served this iteration's rows
+            self._queued += [FREE, eid]
+        self._free_later, self._sources = [], {}
         return self._mirrored((DECODE,), super().decode_step)
 
     def filter(self, keep):
@@ -275,7 +321,7 @@ class TPRunner(Runner):
         return {"ranks": lk.size, "backend": backend_name(), "messages_over": lk.channel,
                 "kv_bytes_per": "rank", "messages": lk.messages,
                 "mean_words": round(lk.words / lk.messages, 2) if lk.messages else 0.0,
-                "not_mirrored": ["prompt cache", "speculation", "--batch 1"]}
+                "not_mirrored": ["the prompt cache's SSD tier", "speculation", "--batch 1"]}
 
     def close(self) -> None:
         """Clean stop: the other ranks leave their loops."""

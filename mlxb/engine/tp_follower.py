@@ -13,8 +13,9 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
-from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DROP, ENGINE, FILTER, FIRST, FORGET, JOIN, JOIN_COHORT, JOIN_MODES,
-                            NEW, PING, STOP, Link)
+from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DROP, ENGINE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
+                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, SEED, STOP, Link)
+from mlxb.engine.tp_cache import FollowerStore
 from mlxb.request import Request
 
 
@@ -63,7 +64,7 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
     runner: Optional[Runner] = None
     recipes = None  # the LoRA recipes the current shard carries (parity)
     rows: dict[int, object] = {}
-    cohort = None
+    cohort = store = None
     while True:
         w = link.recv()
         i = 0
@@ -72,7 +73,7 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
             if op == ENGINE:
                 runner, model, recipes, i = _engine(model, w, i, reload, recipes)
                 runner.share = link.share
-                rows, cohort = {}, None
+                rows, cohort, store = {}, None, FollowerStore(runner.kinds)
             elif op == NEW:  # key, LoRA adapter slot, prompt length, prompt ids
                 key, slot, n = w[i + 1], w[i + 2], w[i + 3]
                 rows[key] = runner.new_row(Request(f"tp-{key}", w[i + 4 : i + 4 + n], max_tokens=1 << 30, adapter=slot))
@@ -83,10 +84,26 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
             elif op == FIRST:
                 runner.first_token(rows[w[i + 1]])
                 i += 2
-            elif op == COHORT:
+            elif op == COHORT:  # keys, starts, whether rank 0 snapshots the cohort's rows (the prompt cache)
                 n = w[i + 1]
-                cohort = runner.prefill_cohort([rows[k] for k in w[i + 2 : i + 2 + n]], w[i + 2 + n : i + 2 + 2 * n])[0]
-                i += 2 + 2 * n
+                store.cohort = {}
+                snap = store.cohort.__setitem__ if w[i + 2 + 2 * n] else None
+                cohort = runner.prefill_cohort([rows[k] for k in w[i + 2 : i + 2 + n]], w[i + 2 + n : i + 2 + 2 * n],
+                                               snap)[0]
+                i += 3 + 2 * n
+            elif op == SEED:  # row key, entry id, tokens
+                rows[w[i + 1]].solo = store.lend(w[i + 2], w[i + 3])
+                i += 4
+            elif op == PUT:  # entry id, source kind, source index, tokens
+                store.put(w[i + 1], w[i + 2], w[i + 3], w[i + 4], rows)
+                i += 5
+            elif op == FREE:
+                store.entries.pop(w[i + 1], None)
+                i += 2
+            elif op == EXTRACT:
+                n = w[i + 1]
+                store.extracted = [layers for _, layers, _ in runner.extract_rows(w[i + 2 : i + 2 + n])]
+                i += 2 + n
             elif op == JOIN_COHORT:
                 n = w[i + 1]
                 keys, tokens = w[i + 2 : i + 2 + n], w[i + 2 + n : i + 2 + 2 * n]

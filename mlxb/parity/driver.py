@@ -45,7 +45,11 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                  join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme,
                  spec=spec, **({"runner_cls": runner_cls} if runner_cls else {}))
     disk = tempfile.TemporaryDirectory() if case.prefix else None
-    if case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
+    if case.prefix and hasattr(eng.runner, "link"):  # --tp: rank 0's cache names each entry to the other ranks
+        from mlxb.engine.tp_cache import MirroredPromptCache  # (RAM only: the SSD round trip keeps every entry)
+
+        eng.attach_prompt_cache(MirroredPromptCache(model, eng.kinds, max_bytes=1 << 40, runner=eng.runner))
+    elif case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
         from mlxb.cache.prompt_cache import PromptCache
 
         eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 40, disk_dir=disk.name,
@@ -62,7 +66,7 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
     try:
         for k in range(limit):
             arriving = [i for i, spec in enumerate(case.rows) if spec.arrive == k]
-            if any((case.link(i) or {}).get("ssd") for i in arriving):
+            if any((case.link(i) or {}).get("ssd") for i in arriving) and eng.prompt_cache.disk is not None:
                 eng.prompt_cache.spill_all()  # every snapshot leaves RAM for the SSD tier
                 assert eng.prompt_cache.disk.flush(), "SSD writer did not finish"
             for i, spec in enumerate(case.rows):

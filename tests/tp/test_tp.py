@@ -73,6 +73,25 @@ def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
     assert not bad["ok"] and any(row["first_divergence"] for r in bad["results"] for row in r["rows"])
 
 
+@pytest.mark.parametrize("model,fault", [("tiny-llama", None), ("tiny-qwen3.5", None), ("tiny-llama", "prefix_off_by_one")])
+def test_tp2_parity_prefix_case_prompt_cache_mirrored_on_every_rank(model, fault):
+    """The prefix case sharded: multi-turn reuse, a leader's snapshot continued by a cohort, cached
+    prefixes of different lengths, each rank lending from its own copy of rank 0's entries. tiny-llama
+    stores finished rows (extracted before the filter), tiny-qwen3.5 (recurrent layers: exact lengths)
+    its cohort rows' snapshots. The cached-token counts must equal the plan's; a planted off-by-one fails."""
+    extra = ["--plant-fault", fault] if fault else []
+    p = subprocess.run(LAUNCH + MLXB + ["parity", "-m", model, "--tp", "2", "--b", "3", "--case", "prefix",
+                                        "--against", "live", "--json", *extra],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    d = _json(p.stdout)
+    r = d["results"][0]
+    assert r["case"] == f"{model} prefix-b3" and r["steps"] == 49 and r["error"] is None
+    if fault:
+        assert not d["ok"] and any(row["first_divergence"] for row in r["rows"])
+    else:
+        assert d["ok"] and r["schedule_mismatch"] is None, json.dumps(d)[:1500]
+
+
 def _rank_pids(port: int) -> dict[int, int]:
     """rank -> pid of the processes serving on ``port``."""
     out = {}
@@ -121,7 +140,22 @@ def _staggered(url: str, asks=PROMPTS, max_tokens: int = 24) -> list[str]:
     return out
 
 
-def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank():
+SYSTEM = "You are a careful coding agent. Read before you write. " * 8
+
+
+def _one_by_one(url: str) -> list[tuple]:
+    """Agents sharing a system prompt, one after another: (text, cached prompt tokens) each."""
+    out = []
+    for task in ("List the files.", "Read main.py.", "List the files."):
+        r = httpx.post(url + "/v1/completions", json={"prompt": SYSTEM + task, "max_tokens": 12, "temperature": 0,
+                                                      "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        out.append((r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    assert out[1][1] > 100 and out[2][1] > out[1][1]  # the shared system prompt, then the whole repeat
+    return out
+
+
+def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank(tmp_path):
     port = free_port()
     proc, url = _start(port)
     try:
@@ -130,7 +164,8 @@ def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank():
         texts = _staggered(url)
         tp = httpx.get(url + "/stats").json()["engine"]["tensor_parallel"]
         assert tp["ranks"] == 2 and tp["backend"] == "ring" and tp["messages"] > 0
-        assert httpx.get(url + "/stats").json()["prompt_cache"]["enabled"] is False
+        assert httpx.get(url + "/stats").json()["prompt_cache"]["enabled"] is True  # RAM tier, mirrored
+        agents = _one_by_one(url)
         os.kill(ranks[0], signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         out = proc.stdout.read()
@@ -140,10 +175,13 @@ def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank():
         if proc.poll() is None:
             proc.kill()
     port1 = free_port()
-    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--no-prompt-cache"], stdout=subprocess.PIPE,
+    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--prompt-cache-dir", str(tmp_path)],  # a fresh SSD tier
+                           stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        assert _staggered(wait_healthy(one, port1)) == texts
+        url1 = wait_healthy(one, port1)
+        assert _staggered(url1) == texts
+        assert _one_by_one(url1) == agents  # the same text and the same cached-token counts
     finally:
         one.send_signal(signal.SIGTERM)
         one.wait(timeout=30)

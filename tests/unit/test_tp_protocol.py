@@ -39,6 +39,7 @@ class Recorder:
     """Stands in for the follower's Runner: records every call."""
 
     kv = None
+    kinds = ["full", "full"]
 
     def __init__(self):
         self.calls = []
@@ -53,7 +54,7 @@ class Recorder:
     def first_token(self, row):
         self.calls.append(("first", row))
 
-    def prefill_cohort(self, rows, starts):
+    def prefill_cohort(self, rows, starts, snapshot=None):
         self.calls.append(("cohort", rows, list(starts)))
         return ("cohort-caches", [])
 
@@ -91,7 +92,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     link.send(engine)
     link.send([tp.NEW, 0, -1, 3, 5, 6, 7, tp.NEW, 1, 2, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
     link.send([tp.FIRST, 0])
-    link.send([tp.JOIN, 0, 42, tp.COHORT, 1, 1, 0])
+    link.send([tp.JOIN, 0, 42, tp.COHORT, 1, 1, 0, 0])  # 0: no cohort snapshots
     link.send([tp.JOIN_COHORT, 1, 1, 43, 1, 0, tp.DECODE])
     link.send([tp.FILTER, 1, 1, tp.FORGET, 1, 0, tp.DECODE])
     link.send([tp.PING])
@@ -210,3 +211,51 @@ def test_engine_message_with_lora_recipes_reloads_the_shard_once(monkeypatch):
     assert model == "model1" and len(loads) == 1
     _, model, recipes, _ = tp_follower._engine(model, [tp.ENGINE, 0, 0, 0, -1], 0, reload, recipes)  # none: base again
     assert recipes is None and loads == [want, None]
+
+
+def test_prompt_cache_words_name_each_entry_and_free_it_after_the_iteration():
+    """Rank 0's cache: a new entry is one PUT naming its source; a repeat of the same tokens is none; an
+    entry covered by a longer one is freed with the next decode step (rank 0 may still lend from it)."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlxb.engine.tp_cache import SRC_EXTRACT, SRC_ROW, FollowerStore, MirroredPromptCache
+    from mlxb.models import load_model
+
+    class Rank0:
+        def __init__(self):
+            self.words, self.later, self.names = [], [], {}
+
+        def cache_source(self, layers):
+            return self.names.get(id(layers))
+
+        def queue_cache_op(self, *w):
+            self.words += list(w)
+
+        def queue_cache_free_later(self, eid):
+            self.later.append(eid)
+
+    def layers(n):
+        out = []
+        for _ in range(2):
+            c = KVCache()
+            c.update_and_fetch(mx.ones((1, 2, n, 4)) * n, mx.ones((1, 2, n, 4)))
+            out.append(c)
+        return out
+
+    model = load_model("tiny-llama")[0]
+    r0 = Rank0()
+    pc = MirroredPromptCache(model, ["full", "full"], max_bytes=1 << 30, runner=r0)
+    a, b = layers(5), layers(9)
+    r0.names = {id(a): (SRC_ROW, 7), id(b): (SRC_EXTRACT, 0)}
+    e = pc.put(list(range(5)), a)
+    assert r0.words == [tp.PUT, e.tp_id, SRC_ROW, 7, 5]
+    pc.put(list(range(5)), a)  # already stored: no word
+    assert len(r0.words) == 5 and not r0.later
+    pc.put(list(range(9)), b)  # covers the 5-token entry, which leaves the index
+    assert r0.words[5:] == [tp.PUT, e.tp_id + 1, SRC_EXTRACT, 0, 9] and r0.later == [e.tp_id]
+    # the follower's side: the same snapshot from its own caches, lent back trimmed
+    st = FollowerStore(["full", "full"])
+    st.extracted = [layers(10)]
+    st.put(3, SRC_EXTRACT, 0, 9, rows={})  # a finished row's lookahead token trimmed first
+    lent = st.lend(3, 4)
+    assert st.entries[3][0].offset == 9 and lent[0].offset == 4 and lent[0].keys.shape[2] >= 4
