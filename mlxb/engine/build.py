@@ -114,7 +114,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 60.0,
                   **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
-    link = tp_link(tp, batch=batch, spec=spec or draft_model, prompt_cache_dir=prompt_cache_dir) if tp > 1 else None
+    link = tp_link(tp, batch=batch, prompt_cache_dir=prompt_cache_dir) if tp > 1 else None
     scheme = None
     if kv_bits is not None:
         from mlxb.cache.kv_plan import KVScheme
@@ -138,7 +138,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         if max_loras is not None and len(adapters) > max_loras:
             raise ValidationError(f"{len(adapters)} adapters given, above --max-loras {max_loras}", param="adapters")
         install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank)
-    if spec is not None or draft_model is not None:
+    if (spec is not None or draft_model is not None) and (link is None or link.rank == 0):  # proposers: rank 0
         engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
                                        spec_max_batch, adaptive=not spec_fixed)
     if kv_config is not None:
@@ -195,16 +195,13 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     return gw
 
 
-def tp_link(tp: int, *, batch: int, spec, prompt_cache_dir: Optional[str] = None):
+def tp_link(tp: int, *, batch: int, prompt_cache_dir: Optional[str] = None):
     """``--tp N``: refuse what is not mirrored across ranks yet, then join the ``mlx.launch`` group."""
     from mlxb.errors import ValidationError
 
     if batch <= 1:
         raise ValidationError("--tp runs on the batch lane; --batch 1 (the strict serial path) is one process only: "
                               "use --batch 2 or more with --tp", param="tp")
-    if spec:
-        raise ValidationError("--spec / --draft-model is not available with --tp yet (not mirrored across ranks); "
-                              "leave it out or run without --tp", param="tp")
     if prompt_cache_dir:
         raise ValidationError("--prompt-cache-dir: the prompt cache's SSD tier is not mirrored across --tp ranks "
                               "(its RAM tier is); leave --prompt-cache-dir out with --tp", param="prompt_cache_dir")

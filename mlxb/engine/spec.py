@@ -226,8 +226,14 @@ def off_reason(kinds: list) -> Optional[str]:
 
 
 def spec_step(r) -> tuple[list, Optional[list]]:
-    """(tokens read early, verify step's tokens or None for a plain step). Drafts need every emitted
-    token, so a row that may propose first has the pending (pipelined) tokens read."""
+    """(tokens read early, verify step's tokens or None for a plain step)."""
+    flushed, props = prepare(r)
+    return flushed, (verify_step(r, props) if props is not None else None)
+
+
+def prepare(r) -> tuple[list, Optional[list]]:
+    """(tokens read early, every row's drafts or None: a plain step). Drafts need every emitted token,
+    so a row that may propose first has the pending (pipelined) tokens read."""
     for row in r.rows:
         if row.spec is not None and row.spec.cooldown > 0:
             row.spec.cooldown -= 1
@@ -238,7 +244,39 @@ def spec_step(r) -> tuple[list, Optional[list]]:
         flushed = r._emit_pending(r.register, r.pending, r.pending_geo)
         r.pending = [None] * len(r.rows)
     props = propose_all(r)
-    return flushed, (verify_step(r, props) if any(props) else None)
+    return flushed, (props if any(props) else None)
+
+
+def settle(r, kept: list[int], last: list[int], width: int) -> None:
+    """After a verify step of ``width`` drafts a row, in which row i kept ``kept[i]`` and ends on token
+    ``last[i]``: roll the rejected tails back and move the rows on (every --tp rank does this)."""
+    from mlxb.cache.quantized import maybe_quantize
+
+    shifts = [width - a for a in kept]
+    if "spec_rollback_off_by_one" in r.faults:  # planted bug (parity control): one rejected entry stays
+        shifts = [max(0, s - 1) for s in shifts]
+    rollback(r.caches, r.kinds, shifts, r.merged)
+    if r.kv is not None and not r.merged:  # a lone row converts as generate_step does
+        off = next((c.offset for c, k in zip(r.caches, r.kinds) if k == "full"), 0)
+        r.caches = maybe_quantize(r.caches, r.kinds, r.kv, int(off))
+    for row, a in zip(r.rows, kept):
+        row.base += a  # the step counter adds the pending input; accepted drafts are extra
+    r.register = mx.array(last, dtype=mx.uint32)
+    r.pending = [None] * len(r.rows)
+    r.pending_geo = None
+    r.num_steps += 1
+    r.last_verify = (kept, last, width)
+    r._align()
+
+
+def follow_verify(r, props: list[list[int]]) -> None:
+    """A --tp follower's verify forward: rank 0's feed (each row's pending token, its drafts, padding
+    with that token), built from this rank's register (``settle`` follows with rank 0's outcome)."""
+    width = max(len(p) for p in props)
+    drafts = mx.array([p + [0] * (width - len(p)) for p in props], dtype=mx.uint32)
+    real = mx.array([[j < len(p) for j in range(width)] for p in props])
+    reg = r.register[:, None]
+    mx.eval(r.fwd(r.rows, mx.concatenate([reg, mx.where(real, drafts, reg)], axis=1), r.caches))
 
 
 def pays(r) -> bool:
@@ -289,8 +327,6 @@ def propose_all(r) -> list[list[int]]:
 def verify_step(r, props: list[list[int]]) -> list:
     """One target forward over every row's pending input and drafts; returns the emitted tokens (all
     of them read: nothing stays pending)."""
-    from mlxb.cache.quantized import maybe_quantize
-
     t0 = time.perf_counter()
     rows = r.rows
     width = max(len(p) for p in props)
@@ -348,23 +384,10 @@ def verify_step(r, props: list[list[int]]) -> list:
         kept.append(a)
         last.append(toks[-1])
     t3 = time.perf_counter()
-    shifts = [width - a for a in kept]
-    if "spec_rollback_off_by_one" in r.faults:  # planted bug (parity control): one rejected entry stays
-        shifts = [max(0, s - 1) for s in shifts]
-    rollback(r.caches, r.kinds, shifts, r.merged)
+    settle(r, kept, last, width)
     if hasattr(r.proposer, "commit"):
         r.proposer.commit(r, kept)
-    if r.kv is not None and not r.merged:  # a lone row converts as generate_step does
-        off = next((c.offset for c, k in zip(r.caches, r.kinds) if k == "full"), 0)
-        r.caches = maybe_quantize(r.caches, r.kinds, r.kv, int(off))
-    for row, a in zip(rows, kept):
-        row.base += a  # the step counter adds the pending input; accepted drafts are extra
-    r.register = mx.array(last, dtype=mx.uint32)
-    r.pending = [None] * len(rows)
-    r.pending_geo = None
-    r.num_steps += 1
     r.spec_counts["verify_steps"] += 1
-    r._align()
     tm = r.timing  # host seconds: build the forward, wait for it, accept and emit, roll back
     tm["verify_build_s"] += t1 - t0
     tm["verify_wait_s"] += t2 - t1

@@ -51,6 +51,7 @@ from mlxb.request import Request
 
 NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
 SEED, PUT, FREE, EXTRACT = range(14, 18)  # the prompt cache's entries on every rank (mlxb.engine.tp_cache)
+VERIFY, SETTLE = range(18, 20)  # --spec: rank 0's drafts, then what each row kept (mlxb.engine.spec)
 JOIN_MODES = ("extend", "merge")
 HEAD = 32  # words in the first all_sum of a message (its length, then up to 31 words)
 EXIT_CODE = 70  # the process exits with this when a rank stopped answering
@@ -299,7 +300,23 @@ class TPRunner(Runner):
         for eid in self._free_later:  # entries larger than the RAM tier served this iteration's rows
             self._queued += [FREE, eid]
         self._free_later, self._sources = [], {}
-        return self._mirrored((DECODE,), super().decode_step)
+        if self.proposer is None:
+            return self._mirrored((DECODE,), super().decode_step)
+        # --spec: rank 0 reads, gates and proposes first; the others then run the same forward (a plain
+        # step, or the verify feed built from these drafts) and, with the next message, its outcome
+        from mlxb.engine.spec import prepare, verify_step
+
+        t = time.perf_counter()
+        flushed, props = prepare(self)
+        if props is None:
+            out = flushed + self._mirrored((DECODE,), self._plain_step)
+        else:
+            words = (VERIFY, len(props), *[len(p) for p in props], *[x for p in props for x in p])
+            out = flushed + self._mirrored(words, verify_step, self, props)
+            kept, last, width = self.last_verify
+            self._queued += [SETTLE, len(kept), width, *kept, *last]
+        self.step_cost.observe(props is not None, time.perf_counter() - t)
+        return out
 
     def filter(self, keep):
         self._queued += [FILTER, len(keep), *keep]
@@ -321,7 +338,7 @@ class TPRunner(Runner):
         return {"ranks": lk.size, "backend": backend_name(), "messages_over": lk.channel,
                 "kv_bytes_per": "rank", "messages": lk.messages,
                 "mean_words": round(lk.words / lk.messages, 2) if lk.messages else 0.0,
-                "not_mirrored": ["the prompt cache's SSD tier", "speculation", "--batch 1"]}
+                "not_mirrored": ["the prompt cache's SSD tier", "--batch 1"]}
 
     def close(self) -> None:
         """Clean stop: the other ranks leave their loops."""

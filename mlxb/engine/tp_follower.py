@@ -14,7 +14,8 @@ import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
 from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DROP, ENGINE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
-                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, SEED, STOP, Link)
+                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, SEED, SETTLE, STOP, VERIFY, Link)
+from mlxb.engine.spec import follow_verify, settle
 from mlxb.engine.tp_cache import FollowerStore
 from mlxb.request import Request
 
@@ -118,6 +119,18 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
             elif op == DECODE:
                 runner.decode_step()
                 i += 1
+            elif op == VERIFY:  # rows, each row's draft count, the drafts
+                n = w[i + 1]
+                lens, at, props = w[i + 2 : i + 2 + n], i + 2 + n, []
+                for k in lens:
+                    props.append(w[at : at + k])
+                    at += k
+                follow_verify(runner, props)
+                i = at
+            elif op == SETTLE:  # rows, width, kept per row, last token per row
+                n, width = w[i + 1], w[i + 2]
+                settle(runner, w[i + 3 : i + 3 + n], w[i + 3 + n : i + 3 + 2 * n], width)
+                i += 3 + 2 * n
             elif op == FILTER:
                 n = w[i + 1]
                 runner.filter(w[i + 2 : i + 2 + n])

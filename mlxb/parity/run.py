@@ -144,7 +144,7 @@ def _quant_backend(t: Target) -> Optional[str]:
     return None
 
 
-TP_OFF = {"spec": "speculation is not mirrored across --tp ranks yet"}  # (prefix runs on the mirrored RAM tier: its SSD round trip keeps every entry)
+TP_OFF: dict = {}  # cases --tp cannot run (prefix runs on the mirrored RAM tier: its SSD round trip keeps every entry)
 
 
 def skipped(t: Target, names: Optional[list[str]] = None, tp: int = 1) -> dict[str, str]:

@@ -73,6 +73,23 @@ def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
     assert not bad["ok"] and any(row["first_divergence"] for r in bad["results"] for row in r["rows"])
 
 
+@pytest.mark.parametrize("fault", [None, "spec_rollback_off_by_one"])
+def test_tp2_parity_spec_case_verify_steps_on_every_rank(fault):
+    """Speculation sharded: rank 0 proposes and decides, every rank runs the same [B, 1 + W] verify
+    forward and then rank 0's outcome (what each row kept, its last token). B=1..4 against mlx-lm's
+    verify steps; a planted rollback off-by-one fails."""
+    extra = ["--plant-fault", fault] if fault else []
+    p = subprocess.run(LAUNCH + MLXB + ["parity", "-m", "tiny-llama", "--tp", "2", "--b", "1,4" if not fault else "3",
+                                        "--case", "spec", "--against", "live", "--json", *extra],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    d = _json(p.stdout)
+    if fault:
+        assert not d["ok"] and any(row["first_divergence"] for r in d["results"] for row in r["rows"])
+        return
+    assert d["ok"], json.dumps(d)[:1500]
+    assert [(r["case"], r["steps"]) for r in d["results"]] == [("tiny-llama spec-b1", 26), ("tiny-llama spec-b4", 89)]
+
+
 @pytest.mark.parametrize("model,fault", [("tiny-llama", None), ("tiny-qwen3.5", None), ("tiny-llama", "prefix_off_by_one")])
 def test_tp2_parity_prefix_case_prompt_cache_mirrored_on_every_rank(model, fault):
     """The prefix case sharded: multi-turn reuse, a leader's snapshot continued by a cohort, cached
@@ -251,7 +268,7 @@ def test_tp2_hung_rank_shows_in_health_and_rank0_exits_nonzero():
     (["serve", "--tp", "2"], False, "needs 2 processes"),
     (["serve", "--tp", "2", "--batch", "1"], True, "--batch 1"),
     (["serve", "--tp", "2", "-m", "tiny-gemma3"], True, "no tensor-parallel sharding"),
-    (["serve", "--tp", "2", "--spec", "lookup"], True, "not available with --tp"),
+    (["serve", "--tp", "2", "--prompt-cache-dir", "/tmp/mlxb-tp-x"], True, "SSD tier is not mirrored"),
 ])
 def test_tp_refusals_name_the_fix(args, launched, needle):
     cmd = (LAUNCH if launched else []) + MLXB + args + ["--port", str(free_port())]
@@ -260,3 +277,30 @@ def test_tp_refusals_name_the_fix(args, launched, needle):
     assert needle in out, out[-1500:]
     if not launched:
         assert p.returncode != 0
+
+
+def test_tp2_serve_with_speculation_same_text_as_one_process():
+    """--spec lookup at --tp 2: staggered rows that repeat themselves verify drafts together; the text
+    equals one process with the same flags, /stats counts verify steps, SIGTERM stops every rank."""
+    asks = [(None, "a b c d a b c d a b c d a b"), (None, "one two three one two three one"), (None, "x y x y x y x"),
+            (None, "def f(): return f() def f(): return")]
+    flags = ["--spec", "lookup", "--spec-max-batch", "4", "--no-prompt-cache"]
+    port = free_port()
+    proc, url = _start(port, *flags)
+    try:
+        texts = _staggered(url, asks, 32)
+        st = httpx.get(url + "/stats").json()["engine"]["speculation"]
+        assert st["active"] and st["verify_steps"] > 0 and st["accepted"] > 0, st
+        os.kill(_rank_pids(port)[0], signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0 and "rank 1 exited" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    port1 = free_port()
+    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), *flags], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        assert _staggered(wait_healthy(one, port1), asks, 32) == texts
+    finally:
+        one.send_signal(signal.SIGTERM)
+        one.wait(timeout=30)

@@ -133,6 +133,7 @@ def test_tprunner_batches_row_moves_into_the_next_message():
             self.join_mode = {"full": kw.get("join_full", "extend")}
             self.faults = kw.get("faults", frozenset())
             self.kv = None
+            self.proposer = None  # no --spec
 
         def new_row(self, req):
             return Row(None)
