@@ -136,6 +136,18 @@ def _start(port: int, *extra: str):
 PROMPTS = [(None, "The capital of"), (None, "def fib(n):"), (None, "Once upon a time"), (None, "1, 2, 3, 4,")]
 
 
+def _one_process(flags: list, asks, max_tokens: int) -> list[str]:
+    """The same staggered requests against one process (no --tp) started with ``flags``."""
+    port = free_port()
+    one = subprocess.Popen(MLXB + ["serve", "--port", str(port), *flags], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        return _staggered(wait_healthy(one, port), asks, max_tokens)
+    finally:
+        one.send_signal(signal.SIGTERM)
+        one.wait(timeout=30)
+
+
 def _staggered(url: str, asks=PROMPTS, max_tokens: int = 24) -> list[str]:
     """Greedy completions ((model or None, prompt) each) arriving 0.15 s apart (they join a running batch)."""
     out = [None] * len(asks)
@@ -221,14 +233,7 @@ def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path)
     finally:
         os.kill(_rank_pids(port)[0], signal.SIGTERM)
         proc.wait(timeout=60)
-    port1 = free_port()
-    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--no-prompt-cache", *flag], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=ENV)
-    try:
-        assert _staggered(wait_healthy(one, port1), asks, 16) == texts
-    finally:
-        one.send_signal(signal.SIGTERM)
-        one.wait(timeout=30)
+    assert _one_process(["--no-prompt-cache", *flag], asks, 16) == texts
 
 
 def test_tp2_hung_rank_shows_in_health_and_rank0_exits_nonzero():
@@ -296,11 +301,4 @@ def test_tp2_serve_with_speculation_same_text_as_one_process():
     finally:
         if proc.poll() is None:
             proc.kill()
-    port1 = free_port()
-    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), *flags], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=ENV)
-    try:
-        assert _staggered(wait_healthy(one, port1), asks, 32) == texts
-    finally:
-        one.send_signal(signal.SIGTERM)
-        one.wait(timeout=30)
+    assert _one_process(flags, asks, 32) == texts
