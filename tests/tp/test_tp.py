@@ -284,12 +284,14 @@ def test_tp_refusals_name_the_fix(args, launched, needle):
         assert p.returncode != 0
 
 
-def test_tp2_serve_with_speculation_same_text_as_one_process():
-    """--spec lookup at --tp 2: staggered rows that repeat themselves verify drafts together; the text
-    equals one process with the same flags, /stats counts verify steps, SIGTERM stops every rank."""
+@pytest.mark.parametrize("proposer", [["--spec", "lookup"], ["--draft-model", "tiny-llama", "--spec-fixed"]])
+def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
+    """--spec lookup, and a draft model (unsharded, on rank 0 only; here the target itself), at --tp 2:
+    staggered rows verify drafts together; the text equals one process with the same flags, /stats
+    counts verify steps, SIGTERM stops every rank."""
     asks = [(None, "a b c d a b c d a b c d a b"), (None, "one two three one two three one"), (None, "x y x y x y x"),
             (None, "def f(): return f() def f(): return")]
-    flags = ["--spec", "lookup", "--spec-max-batch", "4", "--no-prompt-cache"]
+    flags = [*proposer, "--spec-max-batch", "4", "--no-prompt-cache"]
     port = free_port()
     proc, url = _start(port, *flags)
     try:
