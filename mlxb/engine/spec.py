@@ -131,12 +131,24 @@ class StepCost:
     a [1, 5] forward costs about five [1, 1] ones, on an H200 (synth-llama-8b, B=1 and B=8) a verify
     step about two plain ones, host wait included."""
 
+    PROBE = 128  # plain steps after which one verify step runs anyway: a stale high cost is measured again
+
     def __init__(self, n: int = 16):
         self.plain: deque = deque(maxlen=n)
         self.verify: deque = deque(maxlen=n)
+        self.since_verify = 0
 
     def observe(self, verify: bool, seconds: float) -> None:
+        if verify and self.stale:  # a probe: the old verify costs are what it re-measures
+            self.verify.clear()
         (self.verify if verify else self.plain).append(seconds)
+        self.since_verify = 0 if verify else self.since_verify + 1
+
+    @property
+    def stale(self) -> bool:
+        """The last verify step is ``PROBE`` plain steps old (its cost may have been a first-shape compile
+        or another batch size): without a probe a high cost would keep the bar shut for good."""
+        return bool(self.verify) and self.since_verify >= self.PROBE
 
     @property
     def ratio(self) -> float:
@@ -283,12 +295,12 @@ def pays(r) -> bool:
     """A verify step is taken by the whole batch: every row pays its cost (``StepCost``), while only the
     speculating rows gain more than one token. Worth it when the rows' expected tokens per step, a
     speculating row's 1 + alpha + ... + alpha^k and every other row's 1, average at least the measured
-    cost in plain steps (with --spec-fixed: always)."""
+    cost in plain steps, or the measured cost is stale (with --spec-fixed: always)."""
     if not r.spec.adaptive:
         return True
     gain = [sum(row.spec.alpha ** j for j in range(row.spec.k + 1))
             if row.spec is not None and row.spec.cooldown == 0 else 1.0 for row in r.rows]
-    return sum(gain) >= r.step_cost.ratio * len(gain)
+    return sum(gain) >= r.step_cost.ratio * len(gain) or r.step_cost.stale
 
 
 def wants_verify(rows) -> bool:

@@ -370,3 +370,24 @@ def test_sampled_rows_keep_every_self_draft(tiny_models):
     assert st["drafted"] > 40 and st["accepted"] == st["drafted"], st
     b, _ = run(model, tok, prompts, [0, 1, 2, 3], 4, 24, spec=cfg, sp=sp)
     assert [tokens(x) for x in a] == [tokens(y) for y in b]
+
+
+def test_a_high_verify_cost_is_measured_again_after_a_while():
+    """A cost that shut the bar (a first-shape compile, another batch size) does not keep it shut: after
+    StepCost.PROBE plain steps one verify step may run and measure it again."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.5)  # one slow verify step
+    cost.observe(False, 0.005)
+    r = NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4, alpha=0.9))], step_cost=cost)
+    assert cost.ratio > 33 - 1e-9 and not pays(r)
+    for _ in range(StepCost.PROBE - 2):
+        cost.observe(False, 0.005)
+    assert not pays(r)
+    cost.observe(False, 0.005)
+    assert pays(r)
+    cost.observe(True, 0.009)  # measured again: 1.8 plain steps now
+    assert pays(r) and not cost.stale
