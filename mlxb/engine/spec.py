@@ -27,9 +27,7 @@ so a draft the grammar forbids is never kept.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -37,10 +35,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlxb.cache.holes import compact, compaction, mark_holes, new_holes
+from mlxb.engine.spec_control import (MAX_COOLDOWN, MIN_GAIN, MISS_LIMIT, RowSpec, StepCost,  # noqa: F401 (re-exported)
+                                      pays, wants_verify)
 
 METHODS = ("lookup", "draft")
-MISS_LIMIT, COOLDOWN, MAX_COOLDOWN = 4, 16, 128  # lookups that find nothing; steps without proposals
-ALPHA0, MIN_GAIN = 0.7, 2.0  # starting acceptance estimate; tokens a verify step must be expected to give
 HOLE_MIN, HOLE_FRACTION = 32, 8  # compact a batch layer's holes past max(32, width / 8) in one row
 
 
@@ -91,79 +89,17 @@ class LookupProposer:
         return []
 
 
-@dataclass
-class RowSpec:
-    """One row's speculation state."""
-
-    k: int  # proposal length now (adaptive, at most ``kmax``)
-    kmax: int
-    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    drafted: int = 0
-    accepted: int = 0
-    misses: int = 0
-    cooldown: int = 0
-    alpha: float = ALPHA0  # running per-draft acceptance
-    backoff: int = COOLDOWN
-    adaptive: bool = True
-
-    def adapt(self, n: int, a: int, cost: float = MIN_GAIN) -> None:
-        """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
-        length, and a pause (doubling while it keeps failing) when the tokens a verify step is expected
-        to give, 1 + alpha + ... + alpha^k, fall below ``cost``: what a verify step costs in plain steps
-        on this machine (``StepCost``; a wider forward, and the host waits for it)."""
-        self.drafted += n
-        self.accepted += a
-        if n == 0 or not self.adaptive:
-            return
-        self.k = min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
-        self.alpha = 0.6 * self.alpha + 0.4 * (a / n)
-        if sum(self.alpha ** j for j in range(self.kmax + 1)) < cost:
-            self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
-            self.alpha = ALPHA0  # probe again after the pause
-        else:
-            self.backoff = COOLDOWN
-
-
-class StepCost:
-    """What a verify step costs on this machine, in plain steps: the median wall time of the last
-    ``n`` verify steps over that of the last ``n`` plain ones (``MIN_GAIN`` until both were seen).
-    Measured, because it differs by an order of magnitude between machines: on a compute-bound CPU
-    a [1, 5] forward costs about five [1, 1] ones, on an H200 (synth-llama-8b, B=1 and B=8) a verify
-    step about two plain ones, host wait included."""
-
-    PROBE = 128  # plain steps after which one verify step runs anyway: a stale high cost is measured again
-
-    def __init__(self, n: int = 16):
-        self.plain: deque = deque(maxlen=n)
-        self.verify: deque = deque(maxlen=n)
-        self.since_verify = 0
-
-    def observe(self, verify: bool, seconds: float) -> None:
-        if verify and self.stale:  # a probe: the old verify costs are what it re-measures
-            self.verify.clear()
-        (self.verify if verify else self.plain).append(seconds)
-        self.since_verify = 0 if verify else self.since_verify + 1
-
-    @property
-    def stale(self) -> bool:
-        """The last verify step is ``PROBE`` plain steps old (its cost may have been a first-shape compile
-        or another batch size): without a probe a high cost would keep the bar shut for good."""
-        return bool(self.verify) and self.since_verify >= self.PROBE
-
-    @property
-    def ratio(self) -> float:
-        if not self.plain or not self.verify:
-            return MIN_GAIN
-        return min(max(statistics.median(self.verify) / statistics.median(self.plain), 1.0), 33.0)
-
-
-def decode(r) -> list:
+def decode(r, plain=None, verify=None) -> list:
     """A decode step with speculation on: a verify step where some row drafts, else the plain one;
-    its wall time feeds ``r.step_cost``."""
+    its wall time feeds ``r.step_cost``. ``plain()`` / ``verify(props)`` run the forward (default: this
+    process's; ``--tp`` passes calls that tell the other ranks first)."""
     t = time.perf_counter()
-    flushed, verified = spec_step(r)
-    out = flushed + (verified if verified is not None else r._plain_step())
-    r.step_cost.observe(verified is not None, time.perf_counter() - t)
+    flushed, props = prepare(r)
+    if props is None:
+        out = flushed + (plain or r._plain_step)()
+    else:
+        out = flushed + (verify or (lambda ps: verify_step(r, ps)))(props)
+    r.step_cost.observe(props is not None, time.perf_counter() - t)
     return out
 
 
@@ -237,12 +173,6 @@ def off_reason(kinds: list) -> Optional[str]:
     return None
 
 
-def spec_step(r) -> tuple[list, Optional[list]]:
-    """(tokens read early, verify step's tokens or None for a plain step)."""
-    flushed, props = prepare(r)
-    return flushed, (verify_step(r, props) if props is not None else None)
-
-
 def prepare(r) -> tuple[list, Optional[list]]:
     """(tokens read early, every row's drafts or None: a plain step). Drafts need every emitted token,
     so a row that may propose first has the pending (pipelined) tokens read."""
@@ -289,23 +219,6 @@ def follow_verify(r, props: list[list[int]]) -> None:
     real = mx.array([[j < len(p) for j in range(width)] for p in props])
     reg = r.register[:, None]
     mx.eval(r.fwd(r.rows, mx.concatenate([reg, mx.where(real, drafts, reg)], axis=1), r.caches))
-
-
-def pays(r) -> bool:
-    """A verify step is taken by the whole batch: every row pays its cost (``StepCost``), while only the
-    speculating rows gain more than one token. Worth it when the rows' expected tokens per step, a
-    speculating row's 1 + alpha + ... + alpha^k and every other row's 1, average at least the measured
-    cost in plain steps, or the measured cost is stale (with --spec-fixed: always)."""
-    if not r.spec.adaptive:
-        return True
-    gain = [sum(row.spec.alpha ** j for j in range(row.spec.k + 1))
-            if row.spec is not None and row.spec.cooldown == 0 else 1.0 for row in r.rows]
-    return sum(gain) >= r.step_cost.ratio * len(gain) or r.step_cost.stale
-
-
-def wants_verify(rows) -> bool:
-    """Some row may propose this step (a speculating row not in cooldown)."""
-    return any(r.spec is not None and r.spec.cooldown == 0 for r in rows)
 
 
 def propose_all(r) -> list[list[int]]:

@@ -304,19 +304,16 @@ class TPRunner(Runner):
             return self._mirrored((DECODE,), super().decode_step)
         # --spec: rank 0 reads, gates and proposes first; the others then run the same forward (a plain
         # step, or the verify feed built from these drafts) and, with the next message, its outcome
-        from mlxb.engine.spec import prepare, verify_step
+        from mlxb.engine.spec import decode, verify_step
 
-        t = time.perf_counter()
-        flushed, props = prepare(self)
-        if props is None:
-            out = flushed + self._mirrored((DECODE,), self._plain_step)
-        else:
+        def verify(props):
             words = (VERIFY, len(props), *[len(p) for p in props], *[x for p in props for x in p])
-            out = flushed + self._mirrored(words, verify_step, self, props)
+            out = self._mirrored(words, verify_step, self, props)
             kept, last, width = self.last_verify
             self._queued += [SETTLE, len(kept), width, *kept, *last]
-        self.step_cost.observe(props is not None, time.perf_counter() - t)
-        return out
+            return out
+
+        return decode(self, lambda: self._mirrored((DECODE,), self._plain_step), verify)
 
     def filter(self, keep):
         self._queued += [FILTER, len(keep), *keep]
