@@ -57,6 +57,11 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     MLX_CUDA_USE_CUDNN_SDPA=0 python3 scripts/grammar_cost.py /var/tmp/$m --batches ${BATCHES:-1,8,32} --steps ${STEPS:-48} \
       --out "$OUT/grammar-cost-$m.json" 2>&1 | grep -v Warning ;;
+  thread)  # where the engine thread's B=1 step goes (consumer, GIL) vs the runner on the main thread
+    for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      echo "$m"; python3 scripts/thread_probe.py /var/tmp/$m ${GEN:-128} ${REPEATS:-5} 2>&1 | grep -v Warning | tee "$OUT/thread-$m.txt"
+    done ;;
   agents)  # prompt cache: agents sharing a 2k-token system prompt, mlxb serve vs mlx_lm.server, 8 and 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

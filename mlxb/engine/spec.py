@@ -93,13 +93,16 @@ def decode(r, plain=None, verify=None) -> list:
     """A decode step with speculation on: a verify step where some row drafts, else the plain one;
     its wall time feeds ``r.step_cost``. ``plain()`` / ``verify(props)`` run the forward (default: this
     process's; ``--tp`` passes calls that tell the other ranks first)."""
-    t = time.perf_counter()
+    t, n = time.perf_counter(), len(r.rows)
     flushed, props = prepare(r)
     if props is None:
         out = flushed + (plain or r._plain_step)()
     else:
         out = flushed + (verify or (lambda ps: verify_step(r, ps)))(props)
-    r.step_cost.observe(props is not None, time.perf_counter() - t)
+    dt = time.perf_counter() - t
+    r.step_cost.observe(props is not None, dt, n, steady=r.spec_why != "no drafts")
+    kept = sum(r.last_verify[0]) if props is not None else 0
+    r.step_cost.trace.append((r.spec_why, n, sum(map(len, props or [])), kept, dt, r.step_cost.ratio_at(n)))
     return out
 
 
@@ -179,13 +182,17 @@ def prepare(r) -> tuple[list, Optional[list]]:
     for row in r.rows:
         if row.spec is not None and row.spec.cooldown > 0:
             row.spec.cooldown -= 1
-    if len(r.rows) > r.spec.max_batch or not wants_verify(r.rows) or not pays(r):
+    r.spec_why = ("batch" if len(r.rows) > r.spec.max_batch else "paused" if not wants_verify(r.rows)
+                  else "bar" if not pays(r) else "verify")
+    if r.spec_why != "verify":
         return [], None
     flushed = []
     if any(p is not None for p in r.pending):
         flushed = r._emit_pending(r.register, r.pending, r.pending_geo)
         r.pending = [None] * len(r.rows)
     props = propose_all(r)
+    if not any(props):
+        r.spec_why = "no drafts"
     return flushed, (props if any(props) else None)
 
 
@@ -302,7 +309,7 @@ def verify_step(r, props: list[list[int]]) -> list:
         if row.context is not None:
             row.context = mx.concatenate([row.context, x[i, : a + 1]])
         if row.spec is not None and p:
-            row.spec.adapt(len(p), a, r.step_cost.ratio)
+            row.spec.adapt(len(p), a, r.step_cost.ratio_at(len(rows)))
             row.req.spec_drafted, row.req.spec_accepted = row.spec.drafted, row.spec.accepted
         r.spec_counts["drafted"] += len(p)
         r.spec_counts["accepted"] += a

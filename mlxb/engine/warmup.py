@@ -106,8 +106,7 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
     engine.runner.drop_all()
     engine.runner.timing.clear()
     engine.runner.spec_counts.clear()
-    engine.runner.step_cost.plain.clear()  # first-shape compiles are not what a step costs
-    engine.runner.step_cost.verify.clear()
+    engine.runner.step_cost.clear()  # first-shape compiles are not what a step costs
     for key in engine.counters:
         engine.counters[key] = 0
     engine.scheduler.num_submitted = 0

@@ -292,20 +292,62 @@ def test_pauses_follow_the_verify_cost_measured_on_this_machine():
     """A row pauses when the tokens a verify step should give fall below what a verify step costs in
     plain steps here (median wall times): the same acceptance keeps speculating where a verify step
     costs 1.8 plain steps (an H200) and pauses where it costs 4.7 (a compute-bound CPU); --spec-fixed
-    never pauses."""
+    never pauses. A pause resets the draft length to the longest, so the probe after it drafts fully."""
     from mlxb.engine.spec import MIN_GAIN, RowSpec, StepCost
 
     cost = StepCost()
     assert cost.ratio == MIN_GAIN  # nothing measured yet
     for dt in (0.005, 0.005, 0.5):  # a first-shape compile does not move the median
-        cost.observe(False, dt)
         cost.observe(True, 1.8 * dt)
+        for _ in range(StepCost.REFILL + 1):  # the refill steps after a verify step are not counted
+            cost.observe(False, dt)
     assert abs(cost.ratio - 1.8) < 1e-9
     gpu, cpu, fixed = RowSpec(4, 4), RowSpec(4, 4), RowSpec(4, 4, adaptive=False)
     for st, c in ((gpu, cost.ratio), (cpu, 4.7), (fixed, 4.7)):
         st.adapt(4, 2, c)  # alpha 0.62: a verify step should give 2.39 tokens
     assert gpu.cooldown == 0 and cpu.cooldown > 0 and fixed.cooldown == 0
-    assert (gpu.k, cpu.k, fixed.k) == (3, 3, 4)
+    assert (gpu.k, cpu.k, fixed.k) == (3, 4, 4)
+
+
+def test_the_verify_cost_counts_steady_plain_steps_per_batch_size():
+    """Plain steps that wait for a whole forward (the two refilling the pipeline after a verify step, one
+    that read the pipeline early and found no drafts) are not what a plain step costs: counted, they made
+    a verify step look free on the H200. And a verify step's cost at B=8 says nothing about B=1."""
+    from mlxb.engine.spec import MIN_GAIN, StepCost
+
+    cost = StepCost()
+    for _ in range(5):
+        cost.observe(True, 0.015, rows=8)
+        cost.observe(False, 0.003, rows=8)  # launch only (nothing pending to read)
+        cost.observe(False, 0.022, rows=8)  # waits for a whole forward
+        cost.observe(False, 0.022, rows=8, steady=False)  # looked for drafts, found none
+        cost.observe(False, 0.022, rows=8)  # refilling again
+        cost.observe(False, 0.022, rows=8)
+        for _ in range(3):
+            cost.observe(False, 0.0075, rows=8)
+    assert abs(cost.ratio_at(8) - 2.0) < 1e-9 and abs(cost.ratio_at(7) - 2.0) < 1e-9
+    assert cost.ratio_at(1) == MIN_GAIN and cost.ratio_at(16) == MIN_GAIN
+    cost.observe(True, 0.011, rows=1)
+    for _ in range(StepCost.REFILL + 2):
+        cost.observe(False, 0.005, rows=1)
+    assert abs(cost.ratio_at(1) - 2.2) < 1e-9 and abs(cost.ratio_at(8) - 2.0) < 1e-9
+
+
+def test_a_row_whose_draft_length_fell_can_still_clear_the_bar():
+    """One rejected block sets a row's draft length to 1; the bar weighs it at the longest draft, so a row
+    that accepts well is not held under a cost of 2.1 plain steps that 1 + alpha can never reach."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.0105)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005)
+    st = RowSpec(4, 4, alpha=0.95)
+    st.adapt(4, 0, cost.ratio)  # all four rejected: alpha 0.57, gain at 4 drafts 2.2 > 2.1: no pause
+    assert st.k == 1 and st.cooldown == 0
+    assert pays(NS(spec=SpecConfig(), rows=[NS(spec=st)], step_cost=cost))
 
 
 def test_a_verify_step_runs_only_when_the_whole_batch_gains():
@@ -316,8 +358,12 @@ def test_a_verify_step_runs_only_when_the_whole_batch_gains():
     from mlxb.engine.spec import RowSpec, StepCost, pays
 
     cost = StepCost()
-    cost.observe(False, 0.005)
-    cost.observe(True, 0.009)
+    cost.observe(True, 0.009, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005, rows=8)
+    cost.observe(True, 0.009, rows=1)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005, rows=1)
     good = lambda: NS(spec=RowSpec(4, 4, alpha=0.8))  # noqa: E731
     one = NS(spec=SpecConfig(), rows=[good()] + [NS(spec=None) for _ in range(7)], step_cost=cost)
     eight = NS(spec=SpecConfig(), rows=[good() for _ in range(8)], step_cost=cost)
@@ -381,10 +427,11 @@ def test_a_high_verify_cost_is_measured_again_after_a_while():
 
     cost = StepCost()
     cost.observe(True, 0.5)  # one slow verify step
-    cost.observe(False, 0.005)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005)
     r = NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4, alpha=0.9))], step_cost=cost)
     assert cost.ratio > 33 - 1e-9 and not pays(r)
-    for _ in range(StepCost.PROBE - 2):
+    for _ in range(StepCost.PROBE - StepCost.REFILL - 2):
         cost.observe(False, 0.005)
     assert not pays(r)
     cost.observe(False, 0.005)
