@@ -42,7 +42,11 @@ def one(model, tok, regime, B, rounds, gen):
                   f"median {1000 * statistics.median(t[4] for t in ver) if ver else 0:.2f} ms; "
                   f"other steps median {1000 * statistics.median(t[4] for t in pl) if pl else 0:.2f} ms; "
                   f"ratio at end {tr[-1][5] if tr else 0:.2f}", flush=True)
-            line = " ".join(f"{t[0][0]}{t[2]}/{t[3]}:{1000 * t[4]:.1f}@{t[5]:.1f}" for t in tr[:160])
+            for st in "AMH":  # plain steps by the cache's state after them: aligned, masked, holes
+                xs = [t[4] for t in pl if t[6] == st]
+                if xs:
+                    print(f"   plain steps in state {st}: {len(xs)}, median {1000 * statistics.median(xs):.2f} ms", flush=True)
+            line = " ".join(f"{t[0][0]}{t[6]}{t[2]}/{t[3]}:{1000 * t[4]:.1f}@{t[5]:.1f}" for t in tr[:160])
             print("  ", line, flush=True)
     finally:
         eng.shutdown()

@@ -51,7 +51,7 @@ from mlxb.request import Request
 
 NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
 SEED, PUT, FREE, EXTRACT = range(14, 18)  # the prompt cache's entries on every rank (mlxb.engine.tp_cache)
-VERIFY, SETTLE = range(18, 20)  # --spec: rank 0's drafts, then what each row kept (mlxb.engine.spec)
+VERIFY, SETTLE, COMPACT = range(18, 21)  # --spec: rank 0's drafts, what each row kept, holes compacted (mlxb.engine.spec)
 JOIN_MODES = ("extend", "merge")
 HEAD = 32  # words in the first all_sum of a message (its length, then up to 31 words)
 EXIT_CODE = 70  # the process exits with this when a rank stopped answering
@@ -251,6 +251,9 @@ class TPRunner(Runner):
 
     def queue_cache_op(self, *words: int) -> None:
         self._queued += list(words)
+
+    def mirror_compact(self) -> None:
+        self._queued.append(COMPACT)  # adaptive --spec compacted the holes before a plain step
 
     def queue_cache_free_later(self, eid: int) -> None:
         self._free_later.append(eid)

@@ -14,8 +14,8 @@ import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
 from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DROP, ENGINE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
-                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, SEED, SETTLE, STOP, VERIFY, Link)
-from mlxb.engine.spec import follow_verify, settle
+                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, SEED, SETTLE, STOP, VERIFY, COMPACT, Link)
+from mlxb.engine.spec import follow_verify, settle, settle_holes
 from mlxb.engine.tp_cache import FollowerStore
 from mlxb.request import Request
 
@@ -131,6 +131,9 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
                 n, width = w[i + 1], w[i + 2]
                 settle(runner, w[i + 3 : i + 3 + n], w[i + 3 + n : i + 3 + 2 * n], width)
                 i += 3 + 2 * n
+            elif op == COMPACT:
+                settle_holes(runner)
+                i += 1
             elif op == FILTER:
                 n = w[i + 1]
                 runner.filter(w[i + 2 : i + 2 + n])

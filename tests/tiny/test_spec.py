@@ -438,3 +438,44 @@ def test_a_high_verify_cost_is_measured_again_after_a_while():
     assert pays(r)
     cost.observe(True, 0.009)  # measured again: 1.8 plain steps now
     assert pays(r) and not cost.stale
+
+
+def test_adaptive_speculation_compacts_the_holes_when_the_batch_goes_plain(tiny_models):
+    """With the adaptive controller, the first step that the bar makes plain compacts every batch layer's
+    rejected entries (a step over holes pays the masked path); the output stays token-identical to plain
+    decoding."""
+    from mlxb.engine.spec import StepCost, prepare
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    prompts = repetitive_prompts()
+    eng = Engine(model, tok, max_batch=4, prefill_chunk=64, spec=SPEC)
+    streams = []
+    for i, p in enumerate(prompts):
+        r = Request(f"h{i}", p, 30, SamplingParams(), ignore_eos=True)
+        streams.append(OutputStream(r.request_id))
+        eng.accept(r, streams[-1])
+    r = eng.runner
+    holed = lambda: [c for c, k in zip(r.caches, r.kinds) if k == "full" and c.holes is not None]  # noqa: E731
+    for _ in range(200):
+        eng.iterate()
+        if r.merged and len(r.rows) == 4 and holed():
+            break
+    assert holed(), "no verify step left holes"
+    r.spec = SpecConfig("lookup", 4, 3, max_batch=8)  # adaptive from here on
+    r.step_cost = StepCost()
+    r.step_cost.observe(True, 1.0, rows=4)  # a verify step costs far more than any gain here
+    for _ in range(StepCost.REFILL + 1):
+        r.step_cost.observe(False, 0.001, rows=4)
+    flushed, props = prepare(r)  # right after a verify step nothing is pending: nothing flushed
+    assert props is None and not flushed and r.spec_why == "bar" and not holed()
+    assert all(c.hole_counts is None for c, k in zip(r.caches, r.kinds) if k == "full")
+    while eng._live:
+        eng.iterate()
+    plain, _ = run(model, tok, prompts, [0, 0, 0, 0], 4, 30, sp=SamplingParams())
+    for a, s in zip(plain, streams):
+        got = []
+        while not s._q.empty():
+            x = s._q.get()
+            if hasattr(x, "request_id") and x.token is not None:
+                got.append(x.token)
+        assert tokens(a) == got
