@@ -36,7 +36,7 @@ import numpy as np
 
 from mlxb.cache.holes import compact, compaction, mark_holes, new_holes
 from mlxb.engine.spec_control import (MAX_COOLDOWN, MIN_GAIN, MISS_LIMIT, RowSpec, StepCost,  # noqa: F401 (re-exported)
-                                      pays, wants_verify)
+                                      aligned, pays, shadow, wants_verify)
 
 METHODS = ("lookup", "draft")
 HOLE_MIN, HOLE_FRACTION = 32, 8  # compact a batch layer's holes past max(32, width / 8) in one row
@@ -95,12 +95,15 @@ def decode(r, plain=None, verify=None) -> list:
     process's; ``--tp`` passes calls that tell the other ranks first)."""
     t, n = time.perf_counter(), len(r.rows)
     flushed, props = prepare(r)
+    flat = aligned(r)
     if props is None:
         out = flushed + (plain or r._plain_step)()
+        if r.spec.adaptive and r.spec_why == "bar" and isinstance(r.proposer, LookupProposer):
+            shadow(r, r.proposer)
     else:
         out = flushed + (verify or (lambda ps: verify_step(r, ps)))(props)
     dt = time.perf_counter() - t
-    r.step_cost.observe(props is not None, dt, n, steady=r.spec_why != "no drafts")
+    r.step_cost.observe(props is not None, dt, n, steady=r.spec_why != "no drafts", aligned=flat)
     kept = sum(r.last_verify[0]) if props is not None else 0
     c = r.caches[r._geo_layer] if r.merged and r._geo_layer is not None else None
     state = "-" if c is None else "H" if getattr(c, "holes", None) is not None else "A" if c.aligned else "M"

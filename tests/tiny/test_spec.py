@@ -479,3 +479,58 @@ def test_adaptive_speculation_compacts_the_holes_when_the_batch_goes_plain(tiny_
             if hasattr(x, "request_id") and x.token is not None:
                 got.append(x.token)
         assert tokens(a) == got
+
+
+def test_shadow_drafts_measure_acceptance_without_a_verify_step():
+    """While the bar keeps the batch plain, a row's lookup drafts are checked against the tokens it then
+    emits: the prefix that held moves its acceptance estimate (copied text up, shuffled text down), one
+    row per step looks drafts up."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import LookupProposer, RowSpec, shadow
+
+    block = [11, 12, 13, 14, 15, 16, 17, 18]
+    copy = NS(spec=RowSpec(4, 4, np.array(block * 3)), tokens=[])
+    other = NS(spec=RowSpec(4, 4, np.array(block * 3)), tokens=[])
+    r = NS(rows=[copy, other], num_steps=0)
+    lookup = LookupProposer(3)
+    rng = np.random.default_rng(0)
+    for step in range(16):
+        r.num_steps = step
+        shadow(r, lookup)
+        copy.tokens.append(block[step % 8])  # goes on copying the block
+        other.tokens.append(int(rng.choice(block)))  # the block's tokens in a random order
+    assert copy.spec.evidence >= 2 and other.spec.evidence >= 2
+    assert copy.spec.alpha > 0.9 and other.spec.alpha < 0.3
+    assert copy.spec.drafted == 0 and other.spec.drafted == 0  # no verify step ran
+
+
+def test_an_aligned_batch_speculates_only_on_evidence():
+    """An aligned batch (no mask on its steps) loses that with its first verify step: fresh rows (the
+    starting guess only) do not open the bar there, rows with measured high acceptance do, and the bar
+    includes what a masked step costs over an aligned one. A padded batch still probes at the guess."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.016, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.008, rows=8, aligned=True)
+    for _ in range(3):
+        cost.observe(False, 0.010, rows=8)
+    assert abs(cost.ratio_at(8, True) - 2.0) < 1e-9 and abs(cost.penalty_at(8) - 1.25) < 1e-9
+    layer = NS(aligned=True, holes=None)
+    fresh = [NS(spec=RowSpec(4, 4)) for _ in range(8)]
+    r = NS(spec=SpecConfig(), rows=fresh, step_cost=cost, merged=True, _geo_layer=0, caches=[layer])
+    assert not pays(r)  # guess 2.77 tokens a row, but no evidence
+    layer.aligned = False
+    assert pays(r)  # padded: the mask is paid anyway, the guess may probe (2.77 >= 1.6)
+    layer.aligned = True
+    for row in fresh:
+        row.spec.learn(4, 2)  # alpha 0.62: 2.39 tokens, under 2.0 x 1.25
+    assert not pays(r)
+    for row in fresh:
+        for _ in range(4):
+            row.spec.learn(4, 4)  # alpha 0.95: 4.5 tokens
+    assert pays(r)
