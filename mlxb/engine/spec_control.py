@@ -168,15 +168,18 @@ def pays(r) -> bool:
     cost in plain steps, or the measured cost is stale (with --spec-fixed: always). An aligned batch
     would pay the mask on every later step: there a row counts only with evidence of its acceptance
     (verify steps or shadow drafts, not the starting guess), the cost is over the aligned step and
-    includes the mask's, and no stale-cost probe runs (measured on the H200, synth-llama-8b, B=8:
-    probes at the starting guess turned an aligned batch masked and held it at 0.65x plain)."""
+    includes the mask's; a stale cost is not a probe there but counts as ``MIN_GAIN`` (measured on the
+    H200, synth-llama-8b, B=8: probes at the starting guess turned an aligned batch masked and held it
+    at 0.65x plain; with no probe at all, a first verify step's compile time kept the bar shut)."""
     if not r.spec.adaptive:
         return True
     n, cost, flat = len(r.rows), r.step_cost, aligned(r)
     total = sum(gain(row.spec) if row.spec is not None and row.spec.cooldown == 0
                 and (row.spec.evidence or not flat) else 1.0 for row in r.rows)
-    bar = cost.ratio_at(n, flat) * (cost.penalty_at(n) if flat else 1.0)
-    return total >= bar * n or (cost.stale_at(n) and not flat)
+    if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty
+        bar = (MIN_GAIN if cost.stale_at(n) else cost.ratio_at(n, True)) * cost.penalty_at(n)
+        return total >= bar * n
+    return total >= cost.ratio_at(n) * n or cost.stale_at(n)
 
 
 def shadow(r, proposer) -> None:

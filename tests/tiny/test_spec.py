@@ -534,3 +534,25 @@ def test_an_aligned_batch_speculates_only_on_evidence():
         for _ in range(4):
             row.spec.learn(4, 4)  # alpha 0.95: 4.5 tokens
     assert pays(r)
+
+
+def test_an_aligned_batch_measures_a_stale_cost_again_on_evidence():
+    """A first verify step that compiled its shapes (0.5 s) does not shut an aligned batch's bar for good:
+    once stale, the cost counts as the default and rows with measured high acceptance speculate."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.5, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.008, rows=8, aligned=True)
+    rows = [NS(spec=RowSpec(4, 4, alpha=0.9, evidence=3)) for _ in range(8)]
+    r = NS(spec=SpecConfig(), rows=rows, step_cost=cost, merged=True, _geo_layer=0, caches=[NS(aligned=True, holes=None)])
+    assert not pays(r)
+    for _ in range(StepCost.PROBE - StepCost.REFILL - 1):
+        cost.observe(False, 0.008, rows=8, aligned=True)
+    assert cost.stale_at(8) and pays(r)
+    for row in rows:
+        row.spec.evidence = 0  # the starting guess alone still does not
+    assert not pays(r)
