@@ -91,6 +91,7 @@ class MultiLoRALinear(nn.Module):
         self.lora_a, self.lora_b, self.lora_scale = a, b, scale  # [n, in, r], [n, r, out], [n]
         self._scales = [float(v) for v in scale.tolist()]
         self._each = [(a[i], b[i]) for i in range(a.shape[0])]  # one adapter's factors: views, sliced once
+        self._gather = not (mx.cuda.is_available() and mx.default_device() == mx.gpu)  # decode path (below)
         self.freeze()
 
     def __call__(self, x):
@@ -104,11 +105,14 @@ class MultiLoRALinear(nn.Module):
         if one is not None:
             a, b = self._each[one]
             return y + _as(self._scales[one] * (self._sum(x @ a) @ b), x.dtype)
-        # NOTE: a batched matmul over each row's taken factors, not mx.gather_mm (the same products). On the
-        # H200 (synth-llama-8b, rank 16, 224 projections, scripts/lora_cost.py) a B=8 decode forward took
-        # 69 ms with gather_mm against 12.6 ms without adapters, and CUDA's gather_mm failed to launch at
-        # B=8 x L=256 ("invalid argument"); on the CPU the two cost the same
-        z = self._sum(x @ mx.take(self.lora_a, ids, axis=0)) @ mx.take(self.lora_b, ids, axis=0)
+        if x.shape[-2] == 1 and self._gather:  # decode: each row's factors gathered by the matmul
+            z = mx.gather_mm(self._sum(mx.gather_mm(x, self.lora_a, rhs_indices=ids)), self.lora_b, rhs_indices=ids)
+        else:  # NOTE: a batched matmul over each row's taken factors (the same products): prefill everywhere
+            # (CUDA's gather_mm failed to launch at B=8 x L=256 on an 8B model: "invalid argument"), and
+            # decode on CUDA, where gather_mm made a B=8 decode forward of synth-llama-8b (rank 16, 224
+            # projections) 69 ms against 36 ms for one adapter's plain matmuls (scripts/lora_cost.py);
+            # on the CPU gather_mm is the faster one (mixed / base 0.88 against 0.74-0.79 taken)
+            z = self._sum(x @ mx.take(self.lora_a, ids, axis=0)) @ mx.take(self.lora_b, ids, axis=0)
         s = self._ctx.row_scale.astype(z.dtype).reshape(-1, *([1] * (z.ndim - 1)))
         return y + _as(s * z, x.dtype)
 
