@@ -55,3 +55,19 @@ def progress(transient: bool = False):
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=transient)
+
+
+KV_ATTENTION_HELP = ("How quantized KV (--kv-bits) is read at decode: 'mlx-lm' (its two quantized matmuls; exact "
+                     "against mlx-lm) or 'fused' (mlxb's one-pass CUDA kernel over the packed cache; CUDA only, "
+                     "not bit-equal to mlx-lm; see the README).")
+
+
+def apply_kv_attention(mode: str) -> None:
+    """Select the quantized-KV read; a bad mode or backend is a CLI error naming the fix."""
+    from mlxb.errors import ValidationError
+    from mlxb.kernels.quantized_attention import set_kv_attention
+
+    try:
+        set_kv_attention(mode)
+    except ValueError as e:
+        raise ValidationError(str(e), param="kv_attention") from None

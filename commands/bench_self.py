@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
+from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console
 from mlxb.commands.bench import app
 
 
@@ -90,6 +90,7 @@ def kv(
     admit_context: int = typer.Option(4096, "--admit-context", min=1, help="Context of the admission count."),
     prefill_chunk: int = typer.Option(2048, "--prefill-chunk", min=16),
     quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", min=0),
+    kv_attention: str = typer.Option("mlx-lm", "--kv-attention", help=KV_ATTENTION_HELP),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Quantized KV vs full width on our engine: rows admitted under one --kv-budget, decode tok/s (ratios)."""
@@ -98,6 +99,7 @@ def kv(
     from mlxb.models import load_model
 
     bits, bs = _ints(kv_bits, "--kv-bits", "8,4"), _ints(batches, "--batches", "8,32")
+    apply_kv_attention(kv_attention)
     m, tok, spec, path = load_model(model, dtype)
     with console.status("benchmarking ...") as status:
         try:

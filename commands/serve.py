@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console
+from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console
 
 
 @cli_errors
@@ -35,6 +35,7 @@ def serve(
     kv_group_size: int = typer.Option(64, "--kv-group-size", help="Quantization group size for --kv-bits (32, 64, 128)."),
     quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", help="A row's KV converts once it holds this many tokens (mlx-lm's meaning); under batching at the latest when the row shares a batch."),
     kv_config: Optional[str] = typer.Option(None, "--kv-config", help='Per-layer KV quantization (JSON file), e.g. {"bits": 4, "layers": {"0": "none", "-1": "none"}}: first and last layers at full width, the others KV4. Batch lane only.'),
+    kv_attention: str = typer.Option("mlx-lm", "--kv-attention", help=KV_ATTENTION_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding on the batch lane: 'lookup' (prompt lookup: n-gram copy from the row's prompt and output) or 'draft' (--draft-model). Models with sliding-window or recurrent layers decode plainly (see /stats)."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A smaller model with the target's tokenizer (preset, folder or HF id) that drafts tokens; implies --spec draft."),
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32, help="Most draft tokens per row and step (adapted per row from its acceptance); a request's num_draft_tokens overrides it, 0 turns it off."),
@@ -55,6 +56,7 @@ def serve(
     from mlxb.server.app import create_app
 
     budget = parse_bytes(kv_budget, "--kv-budget") if kv_budget else None
+    apply_kv_attention(kv_attention)
     lora = parse_adapters(adapters)
     pc_bytes = parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes") if prompt_cache_bytes else None
     pc_disk = parse_bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes") if prompt_cache_disk_bytes else None

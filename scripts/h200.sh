@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|spec
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|spec
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -78,6 +78,18 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --gen ${GEN:-64} --repeats ${REPEATS:-2} --prefill-chunk ${CHUNK:-8192} --quantized-kv-start ${KV_START:-0} --out "$OUT/kv-$m.json" 2>&1 | grep -v Warning | tail -20
     MLX_CUDA_USE_CUDNN_SDPA=0 python3 scripts/kv_attention_cost.py /var/tmp/$m --context ${CONTEXT:-8192} --batches ${BATCHES:-32} \
       --out "$OUT/kv-attention-$m.json" 2>&1 | grep -v Warning ;;
+  kvfused)  # the fused quantized-KV decode kernel: errors vs mlx-lm's path, one layer's time, model steps, engine
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    python3 scripts/kv_fused_check.py --context ${CONTEXT:-8192} --out "$OUT/kv-fused-check.json" 2>&1 | grep -v Warning | tail -${CHECK_TAIL:-6} || exit 1
+    [ -n "${CHECK_ONLY:-}" ] && exit 0
+    for B in ${BATCHES:-8 32}; do
+      python3 scripts/kv_step_cost.py /var/tmp/$m $B ${CONTEXT:-8192} 2>&1 | grep -v Warning | tail -2 | tee "$OUT/kv-step-fused-B$B.txt"
+    done
+    [ -n "${ENGINE:-}" ] && for mode in fused mlx-lm; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench kv -m /var/tmp/$m --kv-bits 8,4 --batches 8,32 --context ${CONTEXT:-8192} --gen 64 \
+        --repeats 2 --prefill-chunk 8192 --kv-attention $mode --out "$OUT/kv-engine-$mode.json" 2>&1 | grep -v Warning | tail -12
+    done ;;
   goldens)  # CUDA goldens: every tiny preset x case x B=1..4, fp32 and bf16 (resumable: existing files are kept)
     key=$(python3 -c 'from mlxb.doctor import machine_key; print(machine_key())')
     t0=$(date +%s); timeout ${LIMIT:-540} python3 -m mlxb.commands.main golden-gen --all 2>&1 | tail -4

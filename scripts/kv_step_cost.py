@@ -1,4 +1,5 @@
-"""One decode step at B rows of ``context`` tokens: full-width batch KV against KV8 and KV4, on the model's
+"""One decode step at B rows of ``context`` tokens: full-width batch KV against KV8 and KV4 (and, on CUDA,
+KV8/KV4 read by the fused kernel of ``--kv-attention fused``), on the model's
 own forward (no engine, no prefill in the timing). One row is prefilled and copied into B rows; the arms
 are timed in interleaved rounds of 8 steps, each step synchronized.
 
@@ -11,6 +12,7 @@ from mlxb.models import load_model
 from mlxb.cache.protocol import AlignedBatchKVCache
 from mlxb.cache.quantized import quantize_batch
 from mlxb.cache.quantized_read import kv_reads
+from mlxb.kernels.quantized_attention import fused_available, set_kv_attention
 m, tok, spec, _ = load_model(sys.argv[1]); B = int(sys.argv[2]); ctx = int(sys.argv[3])
 print("kv reads", kv_reads(), flush=True)
 ids = mx.random.randint(3, 8000, (ctx,))
@@ -27,13 +29,20 @@ for bits in (8, 4):
     arms[f"kv{bits}"] = [quantize_batch(x, int(sys.argv[4]) if len(sys.argv) > 4 else 64, bits) for x in full]
     for x in arms[f"kv{bits}"]: x.aligned = True
     mx.eval([x.keys for x in arms[f"kv{bits}"]])
+if fused_available():  # the same packed caches read through the fused kernel (--kv-attention fused)
+    for bits in (8, 4):
+        arms[f"kv{bits}-fused"] = arms[f"kv{bits}"]
 del c
 tokens = mx.zeros((B, 1), dtype=mx.uint32)
 res = {k: [] for k in arms}
+def mode(k):
+    set_kv_attention("fused" if k.endswith("fused") else "mlx-lm")
 for k, cs in arms.items():
+    mode(k)
     for _ in range(3): mx.eval(m(tokens, cache=cs))
 for rnd in range(3):
     for k, cs in arms.items():
+        mode(k)
         t0 = time.perf_counter()
         for _ in range(8): mx.eval(m(tokens, cache=cs))
         res[k].append((time.perf_counter() - t0) / 8)

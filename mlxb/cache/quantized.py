@@ -27,6 +27,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Qua
 from mlxb.cache.holes import compact, unholed
 from mlxb.cache.kv_plan import KVPlan, KVScheme, as_plan, check_plan, fit_plan  # noqa: F401 (re-exported)
 from mlxb.cache.protocol import AlignedBatchKVCache, roll_rows
+from mlxb.kernels.quantized_attention import mark
 from mlxb.cache.quantized_read import QuantizedRowCache, as_row, contiguous, hide_tail, whole_buffer_reads, width_after
 
 
@@ -83,7 +84,7 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
             self.values[i][..., prev:self._idx, :] = qv[i]
         if whole_buffer_reads():
             self.keys, self.values = contiguous(self.keys), contiguous(self.values)
-            return self.keys, self.values
+            return mark(self.keys), mark(self.values)
         return self.keys_and_values()
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):

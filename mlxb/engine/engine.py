@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
 from mlxb.cache.quantized_read import kv_reads
+from mlxb.kernels.quantized_attention import kv_attention
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
@@ -170,6 +171,7 @@ class Engine:
             "attention_kernels": self.attention_kernels,
             "kv_scheme": self.kv_scheme.name if self.kv_scheme else "none",
             "kv_reads": kv_reads() if self.kv_scheme else None,
+            "kv_attention": kv_attention() if self.kv_scheme else None,
             "speculation": self.spec_stats(),
             "lora": self.runner.lora.stats() if self.runner.lora is not None else None,
             "tensor_parallel": getattr(self.runner, "tp_stats", lambda: None)(),

@@ -1,0 +1,312 @@
+"""Fused decode attention over quantized KV for MLX's CUDA backend (``--kv-attention fused``).
+
+mlx-lm reads a quantized layer with two ``quantized_matmul``s and a softmax (scores, then the weighted
+sum), each a separate kernel that does not approach the memory bound on the H200, so halving the KV
+bytes bought no time there. This is one split-key pass in the manner of flash decoding:
+
+* ``mlxb_qattn_part``: one thread block per (row, KV head, chunk of ``C`` keys). It scores the chunk for
+  every query head of that KV head straight from the packed keys (``s * (q . w) + b * sum(q)`` per
+  group, so nothing is dequantized into memory), keeps the chunk's max and exp-sum, and sums the packed
+  values weighted by the chunk's probabilities. Masked keys (padding, the unwritten tail of the
+  buffer) are skipped without reading them.
+* ``mlxb_qattn_join``: one block per (row, query head) rescales the chunks' partial sums by their
+  maxima and divides by the total, in float32.
+
+It applies only where the cache hands attention its whole contiguous buffers with a boolean mask as
+wide as them (``whole_buffer_reads``, which is the CUDA case), to one query token per row (decode),
+and to grouped-query ratios up to 8; anything else goes to mlx-lm's path. It sums in a different order
+from mlx-lm's kernels (and in float32 throughout), so it is not bit-equal to them: it is off unless
+asked for, and ``scripts/kv_fused_check.py`` measures it against mlx-lm's path on the device. It is
+selected per call by the cache's return type (``Packed``), so mlx-lm's own caches in the same process
+(the parity oracle) always keep mlx-lm's path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from typing import Optional
+
+import mlx.core as mx
+
+MODES = ("mlx-lm", "fused")
+_MODE: Optional[str] = None
+_KERNELS: dict = {}
+_NO_MASK = None
+
+
+class Packed(tuple):
+    """(packed values, scales, biases) of a batch layer whose attention may take the fused kernel."""
+
+
+def fused_available() -> bool:
+    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
+
+
+def set_kv_attention(mode: str) -> None:
+    """Choose how quantized batch layers are read; 'fused' needs the CUDA backend."""
+    global _MODE
+    if mode not in MODES:
+        raise ValueError(f"--kv-attention {mode}: choose one of {', '.join(MODES)}")
+    if mode == "fused":
+        if not fused_available():
+            raise ValueError("--kv-attention fused needs MLX's CUDA backend (a CUDA GPU as the default "
+                             "device); on this backend use --kv-attention mlx-lm")
+        _install()
+    _MODE = mode
+
+
+def kv_attention() -> str:
+    global _MODE
+    if _MODE is None:
+        set_kv_attention(os.environ.get("MLXB_KV_ATTENTION", "mlx-lm"))
+    return _MODE
+
+
+def mark(t: tuple) -> tuple:
+    """The cache's (values, scales, biases), marked for the fused kernel when it is selected."""
+    return Packed(t) if kv_attention() == "fused" else t
+
+
+_HEADER = r"""
+#define MLXB_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
+"""
+
+_PART = r"""
+  constexpr int E = 32 / BITS;            // values per packed word
+  constexpr int W = D / E;                // words per row
+  constexpr int NG = D / G;               // groups per row
+  constexpr int WG = G / E;               // words per group
+  constexpr int J = NT / W;               // key slots in the value pass
+  constexpr unsigned LOW = (1u << BITS) - 1u;
+  constexpr int QF = R * D + R * NG;
+  constexpr int RF = J * R * D;
+  __shared__ float buf[QF > RF ? QF : RF];
+  __shared__ float ps[R][C];
+  __shared__ float mstat[R], lstat[R];
+  float* qs = buf;                         // [R][D], phase 1
+  float* qg = buf + R * D;                 // [R][NG], phase 1
+  float* red = buf;                        // [J][R][D], phase 3
+  const float scale = __int_as_float(SCALE_BITS);
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int Hkv = kw_shape[1], N = kw_shape[2];
+  const int NC = (N + C - 1) / C;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const size_t hq0 = (size_t)b * Hkv * R + (size_t)h * R;
+  const size_t row0 = ((size_t)b * Hkv + h) * (size_t)N;
+  const int k0 = c * C;
+
+  for (int i = t; i < R * D; i += NT) qs[i] = static_cast<float>(q[hq0 * D + i]) * scale;
+  __syncthreads();
+  for (int i = t; i < R * NG; i += NT) {
+    int r = i / NG, g = i % NG;
+    float s = 0.f;
+    for (int d = g * G; d < (g + 1) * G; ++d) s += qs[r * D + d];
+    qg[i] = s;
+  }
+  __syncthreads();
+
+  // phase 1: scores, one key per thread, read straight from the packed row
+  for (int kk = t; kk < C; kk += NT) {
+    const int k = k0 + kk;
+    bool live = k < N;
+    if (HAS_MASK && live) live = mask[(size_t)b * N + k];
+    float sc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) sc[r] = 0.f;
+    if (live) {
+      const uint4* w4 = reinterpret_cast<const uint4*>(kw + (row0 + k) * W);
+      for (int g = 0; g < NG; ++g) {
+        float dot[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) dot[r] = 0.f;
+        for (int v4 = 0; v4 < WG / 4; ++v4) {
+          const uint4 u = w4[g * (WG / 4) + v4];
+          const uint32_t ws[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int dbase = (g * WG + v4 * 4 + x) * E;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+              const float v = static_cast<float>((ws[x] >> (e * BITS)) & LOW);
+#pragma unroll
+              for (int r = 0; r < R; ++r) dot[r] += qs[r * D + dbase + e] * v;
+            }
+          }
+        }
+        const float s = static_cast<float>(ks[(row0 + k) * NG + g]);
+        const float bb = static_cast<float>(kb[(row0 + k) * NG + g]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) sc[r] += s * dot[r] + bb * qg[r * NG + g];
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) ps[r][kk] = live ? sc[r] : MLXB_NEG_INF;
+  }
+  __syncthreads();
+
+  // phase 2: the chunk's max and exp-sum per query head (one warp per head)
+  for (int r = warp; r < R; r += NT / 32) {
+    float m = MLXB_NEG_INF;
+    for (int k = lane; k < C; k += 32) m = fmaxf(m, ps[r][k]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    for (int k = lane; k < C; k += 32) {
+      const float p = (m == MLXB_NEG_INF) ? 0.f : expf(ps[r][k] - m);
+      ps[r][k] = p;
+      l += p;
+    }
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) { mstat[r] = m; lstat[r] = l; }
+  }
+  __syncthreads();
+
+  // phase 3: probability-weighted packed values; a thread owns one word of the row for a slot of keys
+  const int wv = t % W, j = t / W;
+  const int g = (wv * E) / G;
+  float acc[R][E];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[r][e] = 0.f;
+  for (int kk = j; kk < C; kk += J) {
+    const int k = k0 + kk;
+    if (k >= N) break;
+    float p[R];
+    bool any = false;
+#pragma unroll
+    for (int r = 0; r < R; ++r) { p[r] = ps[r][kk]; any = any || p[r] != 0.f; }
+    if (!any) continue;
+    const uint32_t wd = vw[(row0 + k) * W + wv];
+    const float s = static_cast<float>(vs[(row0 + k) * NG + g]);
+    const float bb = static_cast<float>(vb[(row0 + k) * NG + g]);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float v = s * static_cast<float>((wd >> (e * BITS)) & LOW) + bb;
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][e] += p[r] * v;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int e = 0; e < E; ++e) red[(j * R + r) * D + wv * E + e] = acc[r][e];
+  __syncthreads();
+  for (int i = t; i < R * D; i += NT) {
+    float s = 0.f;
+    for (int jj = 0; jj < J; ++jj) s += red[jj * R * D + i];
+    const int r = i / D, d = i % D;
+    o_part[((hq0 + r) * NC + c) * D + d] = s;
+  }
+  if (t < R) {
+    m_part[(hq0 + t) * NC + c] = mstat[t];
+    l_part[(hq0 + t) * NC + c] = lstat[t];
+  }
+"""
+
+_JOIN = r"""
+  const int bh = blockIdx.x, d = threadIdx.x;
+  const int NC = m_part_shape[2];
+  const int D = o_part_shape[3];
+  float M = MLXB_NEG_INF;
+  for (int c = 0; c < NC; ++c) M = fmaxf(M, m_part[(size_t)bh * NC + c]);
+  float num = 0.f, den = 0.f;
+  if (M != MLXB_NEG_INF) {
+    for (int c = 0; c < NC; ++c) {
+      const float w = expf(m_part[(size_t)bh * NC + c] - M);
+      num += w * o_part[((size_t)bh * NC + c) * D + d];
+      den += w * l_part[(size_t)bh * NC + c];
+    }
+  }
+  out[(size_t)bh * D + d] = static_cast<T>(den > 0.f ? num / den : 0.f);
+"""
+
+NT = 128
+
+
+def _kernels():
+    if not _KERNELS:
+        _KERNELS["part"] = mx.fast.cuda_kernel(
+            name="mlxb_qattn_part", input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask"],
+            output_names=["o_part", "m_part", "l_part"], source=_PART, header=_HEADER)
+        _KERNELS["join"] = mx.fast.cuda_kernel(
+            name="mlxb_qattn_join", input_names=["o_part", "m_part", "l_part"], output_names=["out"],
+            source=_JOIN, header=_HEADER)
+    return _KERNELS
+
+
+def chunk_for(blocks_per_chunk: int, n: int) -> int:
+    """Keys per block: the largest of 256/128/64 that still gives the GPU a few blocks per SM."""
+    for c in (256, 128):
+        if blocks_per_chunk * math.ceil(n / c) >= 512:
+            return c
+    return 64
+
+
+def supports(queries, q_keys, q_values, mask, group_size: int, bits: int) -> bool:
+    B, hq, L, D = queries.shape
+    kw = q_keys[0]
+    if L != 1 or kw.ndim != 4 or hq % kw.shape[1] or hq // kw.shape[1] > 8 or bits not in (4, 8):
+        return False
+    if q_values[0].shape[-1] * 32 // bits != D or kw.shape[-1] * 32 // bits != D or D % group_size:
+        return False
+    W = D * bits // 32
+    if W > NT or NT % W or (group_size * bits // 32) % 4:
+        return False
+    # whole-buffer reads hand over contiguous buffers; anything else is copied by the kernel call (correct, slower)
+    return mask is None or (not isinstance(mask, str) and mask.dtype == mx.bool_ and mask.shape[-1] == kw.shape[2]
+                            and mask.shape[-2] == 1)
+
+
+def launch_plan(B: int, hq: int, hkv: int, n: int, D: int, bits: int, group_size: int, has_mask: bool,
+                scale: float, dtype) -> tuple[dict, dict]:
+    """Template constants, grids (in threads, as ``cuda_kernel`` takes them) and output shapes of the two
+    kernels for B rows of ``n`` keys; shared by ``fused_decode`` and the CPU emulation test."""
+    C = chunk_for(B * hkv, n)
+    nc = math.ceil(n / C)
+    scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
+    part = dict(template=[("T", dtype), ("D", D), ("R", hq // hkv), ("BITS", bits), ("G", group_size), ("C", C),
+                          ("NT", NT), ("HAS_MASK", has_mask), ("SCALE_BITS", scale_bits)],
+                grid=(nc * NT, hkv, B), threadgroup=(NT, 1, 1),
+                output_shapes=[(B, hq, nc, D), (B, hq, nc), (B, hq, nc)])
+    join = dict(template=[("T", dtype)], grid=(B * hq * D, 1, 1), threadgroup=(D, 1, 1),
+                output_shapes=[(B, hq, 1, D)])
+    return part, join
+
+
+def fused_decode(queries, q_keys, q_values, scale: float, mask, group_size: int, bits: int):
+    """Attention of one query token per row over packed K/V; queries [B, Hq, 1, D] -> [B, Hq, 1, D]."""
+    global _NO_MASK
+    B, hq, _, D = queries.shape
+    hkv, n = q_keys[0].shape[1], q_keys[0].shape[2]
+    if mask is None:
+        if _NO_MASK is None:
+            _NO_MASK = mx.array([True])
+        m2 = _NO_MASK
+    else:
+        m2 = mx.broadcast_to(mask, (B, 1, 1, n)).reshape(B, n)
+    part, join = launch_plan(B, hq, hkv, n, D, bits, group_size, mask is not None, scale, queries.dtype)
+    k = _kernels()
+    o_part, m_part, l_part = k["part"](inputs=[queries, *q_keys, *q_values, m2],
+                                       output_dtypes=[mx.float32] * 3, **part)
+    (out,) = k["join"](inputs=[o_part, m_part, l_part], output_dtypes=[queries.dtype], **join)
+    return out
+
+
+def _install() -> None:
+    """Route marked (``Packed``) quantized reads through the fused kernel; everything else, including
+    mlx-lm's own ``QuantizedKVCache``, keeps mlx-lm's ``quantized_scaled_dot_product_attention``."""
+    import mlx_lm.models.base as base
+
+    if getattr(base.quantized_scaled_dot_product_attention, "_mlxb_fused", False):
+        return
+    original = base.quantized_scaled_dot_product_attention
+
+    def dispatch(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+        if isinstance(q_keys, Packed) and supports(queries, q_keys, q_values, mask, group_size, bits):
+            return fused_decode(queries, q_keys, q_values, scale, mask, group_size, bits)
+        return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+
+    dispatch._mlxb_fused = True
+    base.quantized_scaled_dot_product_attention = dispatch
