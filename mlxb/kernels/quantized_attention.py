@@ -53,8 +53,40 @@ def set_kv_attention(mode: str) -> None:
         if not fused_available():
             raise ValueError("--kv-attention fused needs MLX's CUDA backend (a CUDA GPU as the default "
                              "device); on this backend use --kv-attention mlx-lm")
+        self_check()
         _install()
     _MODE = mode
+
+
+def self_check(tol: float = 1e-4) -> float:
+    """Run the kernel on two small float32 cases (8 and 4 bits, several groups per row, padding, a buffer
+    tail, several chunks, GQA 4) and compare it with mlx-lm's path before any request can reach it: a
+    kernel that does not compile or disagrees on this device refuses the flag instead of failing
+    requests. Returns the max difference."""
+    import mlx_lm.models.base as base
+
+    original = getattr(base.quantized_scaled_dot_product_attention, "_mlxb_original",
+                       base.quantized_scaled_dot_product_attention)
+    err = 0.0
+    for bits, group, seed in ((8, 32, 7), (4, 64, 8)):  # several groups per row, both packings
+        k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+        B, hq, hkv, D, width = 2, 8, 2, 128, 320
+        q = mx.random.normal((B, hq, 1, D), key=k1)
+        qk = mx.quantize(mx.random.normal((B, hkv, width, D), key=k2), group_size=group, bits=bits)
+        qv = mx.quantize(mx.random.normal((B, hkv, width, D), key=k3), group_size=group, bits=bits)
+        pos = mx.arange(width)
+        mask = ((pos[None] >= mx.array([0, 70])[:, None]) & (pos[None] < 300)).reshape(B, 1, 1, width)
+        try:
+            got = fused_decode(q, qk, qv, D ** -0.5, mask, group, bits)
+            want = original(mx.array(q), qk, qv, scale=D ** -0.5, mask=mask, group_size=group, bits=bits)
+            err = max(err, mx.abs(got - want).max().item())
+        except Exception as e:  # a compile or launch failure on this device
+            raise ValueError(f"--kv-attention fused: the kernel failed on this device ({e}); "
+                             "use --kv-attention mlx-lm") from e
+        if not err <= tol:
+            raise ValueError(f"--kv-attention fused: the kernel disagrees with mlx-lm's quantized attention on "
+                             f"this device (max |diff| {err:.3g} > {tol:g}); use --kv-attention mlx-lm")
+    return err
 
 
 def kv_attention() -> str:
@@ -309,4 +341,5 @@ def _install() -> None:
         return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
     dispatch._mlxb_fused = True
+    dispatch._mlxb_original = original
     base.quantized_scaled_dot_product_attention = dispatch

@@ -128,3 +128,32 @@ def test_engine_rows_take_the_fused_read_and_keep_their_tokens(tiny_models, monk
     assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in plain]
     worst = max(float(np.abs(a - b).max()) for r, s in zip(got, plain) for (_, a), (_, b) in zip(r, s))
     assert worst < 1e-4, worst
+
+
+def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monkeypatch):
+    """``--kv-attention fused`` runs the kernel once against mlx-lm's path before serving: the emulated
+    kernel passes; a planted wrong value scale, or a kernel that fails to build, refuses the flag."""
+    planted = qa._PART.replace("const int g = (wv * E) / G;", "const int g = ((wv * E) / G + 1) % NG;")
+
+    def with_source(src):
+        def run(queries, q_keys, q_values, scale, mask, group_size, bits):
+            return mx.array(emulated(src, queries, q_keys, q_values, scale, mask, group_size, bits)[0])
+        return run
+
+    def broken(*a):
+        raise RuntimeError("nvrtc: error: identifier undefined")
+
+    monkeypatch.setattr(qa, "fused_available", lambda: True)
+    monkeypatch.setattr(qa, "_install", lambda: None)
+    try:
+        monkeypatch.setattr(qa, "fused_decode", with_source(qa._PART))
+        qa.set_kv_attention("fused")
+        assert qa.kv_attention() == "fused"
+        monkeypatch.setattr(qa, "fused_decode", with_source(planted))
+        with pytest.raises(ValueError, match="disagrees"):
+            qa.set_kv_attention("fused")
+        monkeypatch.setattr(qa, "fused_decode", broken)
+        with pytest.raises(ValueError, match="failed on this device.*--kv-attention mlx-lm"):
+            qa.set_kv_attention("fused")
+    finally:
+        qa._MODE = "mlx-lm"
