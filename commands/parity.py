@@ -107,6 +107,9 @@ def parity(
         from mlxb.engine.tp import STOP
 
         link.send([STOP])  # the other ranks leave their loops
+    from mlxb.parity.compare import supersede_shared
+
+    notes += supersede_shared(results)
     ok = all(r.ok for r in results) and bool(results)
     if json_out:
         print(json.dumps({"ok": ok, "machine_key": machine, "warnings": notes, "skipped": skips,

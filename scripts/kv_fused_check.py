@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_path
+
+from kv_attention_cost import timed  # scripts/ is on the path when this file runs
 
 from mlxb.kernels.quantized_attention import fused_decode, set_kv_attention, supports
 
@@ -52,16 +52,6 @@ def case(B, hq, hkv, D, n, width, bits, group, dtype):
     return {"B": B, "hq": hq, "hkv": hkv, "D": D, "keys": n, "width": width, "bits": bits, "group": group,
             "dtype": str(dtype), "fused_err": mx.abs(f - ref).max().item(), "mlx_lm_err": mx.abs(m - ref).max().item(),
             "fused_vs_mlx_lm": mx.abs(f - m).max().item()}
-
-
-def timed(fn, reps):
-    mx.eval(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
 
 
 def main() -> None:
