@@ -178,10 +178,10 @@ def _render(results, machine: str, root: Path) -> None:
             tok = sum(x.tokens_only for x in rows)
             div = sum(1 for x in rows if not x.ok)
             good = all(x.ok for x in rows)
+            verdict = "[green]pass[/]" if good else "[yellow]superseded[/]" if r.superseded else "[red]FAIL[/]"
             t.add_row(*r.label.split(), r.against.split(":")[0], str(row.row) if row is not None else str(len(rows)), str(steps),
-                      str(exact), str(env), f"[yellow]{tok}[/]" if tok else "0", str(div),
-                      "[green]pass[/]" if good else "[red]FAIL[/]")
-        if not all(x.ok for x in r.rows) and r not in fails:
+                      str(exact), str(env), f"[yellow]{tok}[/]" if tok else "0", str(div), verdict)
+        if not r.ok and r not in fails:
             fails.append(r)
     console.print(t)
     envs = {r.label.split()[0]: r.envelope for r in results if r.envelope}
@@ -190,7 +190,9 @@ def _render(results, machine: str, root: Path) -> None:
     tot = {k: sum(r.counts()[k] for r in results) for k in ("steps", "exact", "envelope", "tokens_only")}
     console.print(f"{len(results)} comparisons, {tot['steps']} row-steps: {tot['exact']} exact, "
                   f"{tot['envelope']} within envelope, {tot['tokens_only']} tokens only (no logit hash to compare), "
-                  f"{len(fails)} case(s) failed")
+                  f"{len(fails)} case(s) failed"
+                  + (f", {sum(1 for r in results if r.superseded)} shared golden(s) superseded by the live oracle"
+                     if any(r.superseded for r in results) else ""))
     for r in fails[:10]:
         if r.error:
             console.print(f"[red]{r.label} ({r.against}): {r.error}[/]")
