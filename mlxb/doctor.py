@@ -14,6 +14,7 @@ import platform
 import re
 import sys
 import time
+from typing import Optional
 
 OPENBLAS_CANDIDATES = [
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -51,6 +52,25 @@ def loaded_blas() -> str:
     if any("mlx_cpu.libs" in p for p in libs):
         return "netlib"
     return os.path.basename(libs[0]) if libs else "none"
+
+
+def blas_core() -> Optional[str]:
+    """OpenBLAS's kernel set and build (``openblas_get_corename`` / ``openblas_get_config``), e.g.
+    'Haswell / OpenBLAS 0.3.21 DYNAMIC_ARCH ...': two machines under one key can pick different kernels,
+    whose float sums differ in the last bits. None for other BLAS libraries."""
+    import ctypes
+
+    try:
+        for line in open("/proc/self/maps"):
+            path = line.split()[-1]
+            if "openblas" in path.lower() and ".so" in path and "numpy" not in path and "scipy" not in path:
+                lib = ctypes.CDLL(path)
+                lib.openblas_get_corename.restype = ctypes.c_char_p
+                lib.openblas_get_config.restype = ctypes.c_char_p
+                return f"{lib.openblas_get_corename().decode()} / {lib.openblas_get_config().decode().strip()}"
+    except (OSError, AttributeError):
+        return None
+    return None
 
 
 def cpu_model() -> str:
@@ -154,6 +174,7 @@ def report(measure: bool = True) -> dict:
         "cores": os.cpu_count(),
         "memory_gb": round(memory_bytes() / 2**30, 1),
         "blas": loaded_blas(),
+        "blas_core": blas_core(),
         "machine_key": machine_key(),
     }
     from mlxb.models.synth import mlxb_home

@@ -292,7 +292,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
 def golden_gen(t: Target, cases: list[Case], root: Path, machine: str, force: bool = False,
                progress: Optional[Progress] = None) -> list[dict]:
     """Write this machine's goldens; refuses to overwrite without ``force`` (then reports changes)."""
-    from mlxb.doctor import device_info, versions
+    from mlxb.doctor import blas_core, cpu_model, device_info, versions
 
     plans = []
     for c in cases:
@@ -319,6 +319,7 @@ def golden_gen(t: Target, cases: list[Case], root: Path, machine: str, force: bo
     if todo:
         goldens.write_meta(root, machine, {
             "machine_key": machine, "versions": versions(), "device": device_info(),
-            "generated": {t.label: {"dtype": t.dtype, "date": time.strftime("%Y-%m-%d"), "model": t.shown or t.model}},
+            "generated": {t.label: {"dtype": t.dtype, "date": time.strftime("%Y-%m-%d"), "model": t.shown or t.model,
+                                    "cpu": cpu_model(), "blas_core": blas_core()}},
         })
     return report
