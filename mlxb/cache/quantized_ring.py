@@ -25,6 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, QuantizedKVCache, RotatingKVCache, _BaseCache
 
+from mlxb.kernels.quantized_attention import mark
 from mlxb.cache.quantized_read import contiguous, whole_buffer_reads
 
 _SHARED = ("offset", "left_padding", "_lengths")  # per-lane mx arrays (updated in place by mlx-lm)
@@ -72,7 +73,7 @@ class _Lanes(_BaseCache):
         out = [lane.update_and_fetch(k, v) for lane, k, v in zip(self.lanes, qk, qv)]
         k, v = tuple(o[0] for o in out), tuple(o[1] for o in out)
         if whole_buffer_reads():
-            k, v = contiguous(k), contiguous(v)
+            k, v = mark(contiguous(k)), mark(contiguous(v))  # --kv-attention fused when the mask fits
         return k, v
 
     def make_mask(self, *args, **kwargs):
