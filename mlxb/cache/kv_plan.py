@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mlxb.cache.quantized_read import whole_buffer_reads
+from mlxb.cache.quantized_read import kv_reads, whole_buffer_reads
+from mlxb.kernels.quantized_attention import kv_attention
 
 
 class KVScheme:
@@ -146,3 +147,10 @@ def fit_plan(plan: Optional["KVPlan"], model) -> Optional["KVPlan"]:
     if not keep & {i for i, s in enumerate(plan.layers) if s is not None}:
         return plan
     return KVPlan([None if i in keep else s for i, s in enumerate(plan.layers)], plan.start)
+
+
+def kv_stats(plan: Optional[KVPlan]) -> dict:
+    """/stats: the plan's name, and how its quantized layers are read (buffer and attention kernel)."""
+    if plan is None:
+        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None}
+    return {"kv_scheme": plan.name, "kv_reads": kv_reads(), "kv_attention": kv_attention()}

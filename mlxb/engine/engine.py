@@ -18,9 +18,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from mlxb.cache.kv_plan import kv_stats
 from mlxb.cache.protocol import kv_projection, layer_kinds
-from mlxb.cache.quantized_read import kv_reads
-from mlxb.kernels.quantized_attention import kv_attention
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
@@ -169,9 +168,7 @@ class Engine:
             "kv_budget_bytes": s.kv_budget,
             **self.counters,
             "attention_kernels": self.attention_kernels,
-            "kv_scheme": self.kv_scheme.name if self.kv_scheme else "none",
-            "kv_reads": kv_reads() if self.kv_scheme else None,
-            "kv_attention": kv_attention() if self.kv_scheme else None,
+            **kv_stats(self.kv_scheme),
             "speculation": self.spec_stats(),
             "lora": self.runner.lora.stats() if self.runner.lora is not None else None,
             "tensor_parallel": getattr(self.runner, "tp_stats", lambda: None)(),

@@ -1,0 +1,190 @@
+"""The speculation controller without a model: the verify cost measured per batch size from steady
+plain steps, the bar a batch must clear, pauses, stale-cost probes, shadow drafts and aligned batches
+(split from tests/tiny/test_spec.py, which runs the mechanism on the tiny presets)."""
+
+import numpy as np
+
+from mlxb.engine.spec import SpecConfig
+
+
+def test_pauses_follow_the_verify_cost_measured_on_this_machine():
+    """A row pauses when the tokens a verify step should give fall below what a verify step costs in
+    plain steps here (median wall times): the same acceptance keeps speculating where a verify step
+    costs 1.8 plain steps (an H200) and pauses where it costs 4.7 (a compute-bound CPU); --spec-fixed
+    never pauses. A pause resets the draft length to the longest, so the probe after it drafts fully."""
+    from mlxb.engine.spec import MIN_GAIN, RowSpec, StepCost
+
+    cost = StepCost()
+    assert cost.ratio == MIN_GAIN  # nothing measured yet
+    for dt in (0.005, 0.005, 0.5):  # a first-shape compile does not move the median
+        cost.observe(True, 1.8 * dt)
+        for _ in range(StepCost.REFILL + 1):  # the refill steps after a verify step are not counted
+            cost.observe(False, dt)
+    assert abs(cost.ratio - 1.8) < 1e-9
+    gpu, cpu, fixed = RowSpec(4, 4), RowSpec(4, 4), RowSpec(4, 4, adaptive=False)
+    for st, c in ((gpu, cost.ratio), (cpu, 4.7), (fixed, 4.7)):
+        st.adapt(4, 2, c)  # alpha 0.62: a verify step should give 2.39 tokens
+    assert gpu.cooldown == 0 and cpu.cooldown > 0 and fixed.cooldown == 0
+    assert (gpu.k, cpu.k, fixed.k) == (3, 4, 4)
+
+
+def test_the_verify_cost_counts_steady_plain_steps_per_batch_size():
+    """Plain steps that wait for a whole forward (the two refilling the pipeline after a verify step, one
+    that read the pipeline early and found no drafts) are not what a plain step costs: counted, they made
+    a verify step look free on the H200. And a verify step's cost at B=8 says nothing about B=1."""
+    from mlxb.engine.spec import MIN_GAIN, StepCost
+
+    cost = StepCost()
+    for _ in range(5):
+        cost.observe(True, 0.015, rows=8)
+        cost.observe(False, 0.003, rows=8)  # launch only (nothing pending to read)
+        cost.observe(False, 0.022, rows=8)  # waits for a whole forward
+        cost.observe(False, 0.022, rows=8, steady=False)  # looked for drafts, found none
+        cost.observe(False, 0.022, rows=8)  # refilling again
+        cost.observe(False, 0.022, rows=8)
+        for _ in range(3):
+            cost.observe(False, 0.0075, rows=8)
+    assert abs(cost.ratio_at(8) - 2.0) < 1e-9 and abs(cost.ratio_at(7) - 2.0) < 1e-9
+    assert cost.ratio_at(1) == MIN_GAIN and cost.ratio_at(16) == MIN_GAIN
+    cost.observe(True, 0.011, rows=1)
+    for _ in range(StepCost.REFILL + 2):
+        cost.observe(False, 0.005, rows=1)
+    assert abs(cost.ratio_at(1) - 2.2) < 1e-9 and abs(cost.ratio_at(8) - 2.0) < 1e-9
+
+
+def test_a_row_whose_draft_length_fell_can_still_clear_the_bar():
+    """One rejected block sets a row's draft length to 1; the bar weighs it at the longest draft, so a row
+    that accepts well is not held under a cost of 2.1 plain steps that 1 + alpha can never reach."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.0105)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005)
+    st = RowSpec(4, 4, alpha=0.95)
+    st.adapt(4, 0, cost.ratio)  # all four rejected: alpha 0.57, gain at 4 drafts 2.2 > 2.1: no pause
+    assert st.k == 1 and st.cooldown == 0
+    assert pays(NS(spec=SpecConfig(), rows=[NS(spec=st)], step_cost=cost))
+
+
+def test_a_verify_step_runs_only_when_the_whole_batch_gains():
+    """Every row of the batch pays for a verify step; one well-accepting row among seven plain ones does
+    not make it worth 1.8 plain steps, eight of them do."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.009, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005, rows=8)
+    cost.observe(True, 0.009, rows=1)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005, rows=1)
+    good = lambda: NS(spec=RowSpec(4, 4, alpha=0.8))  # noqa: E731
+    one = NS(spec=SpecConfig(), rows=[good()] + [NS(spec=None) for _ in range(7)], step_cost=cost)
+    eight = NS(spec=SpecConfig(), rows=[good() for _ in range(8)], step_cost=cost)
+    alone = NS(spec=SpecConfig(), rows=[good()], step_cost=cost)
+    assert not pays(one) and pays(eight) and pays(alone)
+    assert pays(NS(spec=SpecConfig(adaptive=False), rows=one.rows, step_cost=cost))  # --spec-fixed
+
+
+def test_a_high_verify_cost_is_measured_again_after_a_while():
+    """A cost that shut the bar (a first-shape compile, another batch size) does not keep it shut: after
+    StepCost.PROBE plain steps one verify step may run and measure it again."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.5)  # one slow verify step
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.005)
+    r = NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4, alpha=0.9))], step_cost=cost)
+    assert cost.ratio > 33 - 1e-9 and not pays(r)
+    for _ in range(StepCost.PROBE - StepCost.REFILL - 2):
+        cost.observe(False, 0.005)
+    assert not pays(r)
+    cost.observe(False, 0.005)
+    assert pays(r)
+    cost.observe(True, 0.009)  # measured again: 1.8 plain steps now
+    assert pays(r) and not cost.stale
+
+
+def test_shadow_drafts_measure_acceptance_without_a_verify_step():
+    """While the bar keeps the batch plain, a row's lookup drafts are checked against the tokens it then
+    emits: the prefix that held moves its acceptance estimate (copied text up, shuffled text down), one
+    row per step looks drafts up."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import LookupProposer, RowSpec, shadow
+
+    block = [11, 12, 13, 14, 15, 16, 17, 18]
+    copy = NS(spec=RowSpec(4, 4, np.array(block * 3)), tokens=[])
+    other = NS(spec=RowSpec(4, 4, np.array(block * 3)), tokens=[])
+    r = NS(rows=[copy, other], num_steps=0)
+    lookup = LookupProposer(3)
+    rng = np.random.default_rng(0)
+    for step in range(16):
+        r.num_steps = step
+        shadow(r, lookup)
+        copy.tokens.append(block[step % 8])  # goes on copying the block
+        other.tokens.append(int(rng.choice(block)))  # the block's tokens in a random order
+    assert copy.spec.evidence >= 2 and other.spec.evidence >= 2
+    assert copy.spec.alpha > 0.9 and other.spec.alpha < 0.3
+    assert copy.spec.drafted == 0 and other.spec.drafted == 0  # no verify step ran
+
+
+def test_an_aligned_batch_speculates_only_on_evidence():
+    """An aligned batch (no mask on its steps) loses that with its first verify step: fresh rows (the
+    starting guess only) do not open the bar there, rows with measured high acceptance do, and the bar
+    includes what a masked step costs over an aligned one. A padded batch still probes at the guess."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.016, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.008, rows=8, aligned=True)
+    for _ in range(3):
+        cost.observe(False, 0.010, rows=8)
+    assert abs(cost.ratio_at(8, True) - 2.0) < 1e-9 and abs(cost.penalty_at(8) - 1.25) < 1e-9
+    layer = NS(aligned=True, holes=None)
+    fresh = [NS(spec=RowSpec(4, 4)) for _ in range(8)]
+    r = NS(spec=SpecConfig(), rows=fresh, step_cost=cost, merged=True, _geo_layer=0, caches=[layer])
+    assert not pays(r)  # guess 2.77 tokens a row, but no evidence
+    layer.aligned = False
+    assert pays(r)  # padded: the mask is paid anyway, the guess may probe (2.77 >= 1.6)
+    layer.aligned = True
+    for row in fresh:
+        row.spec.learn(4, 2)  # alpha 0.62: 2.39 tokens, under 2.0 x 1.25
+    assert not pays(r)
+    for row in fresh:
+        for _ in range(4):
+            row.spec.learn(4, 4)  # alpha 0.95: 4.5 tokens
+    assert pays(r)
+
+
+def test_an_aligned_batch_measures_a_stale_cost_again_on_evidence():
+    """A first verify step that compiled its shapes (0.5 s) does not shut an aligned batch's bar for good:
+    once stale, the cost counts as the default and rows with measured high acceptance speculate."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.engine.spec import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.5, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.008, rows=8, aligned=True)
+    rows = [NS(spec=RowSpec(4, 4, alpha=0.9, evidence=3)) for _ in range(8)]
+    r = NS(spec=SpecConfig(), rows=rows, step_cost=cost, merged=True, _geo_layer=0, caches=[NS(aligned=True, holes=None)])
+    assert not pays(r)
+    for _ in range(StepCost.PROBE - StepCost.REFILL - 1):
+        cost.observe(False, 0.008, rows=8, aligned=True)
+    assert cost.stale_at(8) and pays(r)
+    for row in rows:
+        row.spec.evidence = 0  # the starting guess alone still does not
+    assert not pays(r)
