@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|spec
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|served1
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -90,6 +90,29 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench kv -m /var/tmp/$m --kv-bits 8,4 --batches 8,32 --context ${CONTEXT:-8192} --gen 64 \
         --repeats 2 --prefill-chunk 8192 --kv-attention $mode --out "$OUT/kv-engine-$mode.json" 2>&1 | grep -v Warning | tail -12
     done ;;
+  kvengine)  # bench kv with the fused kernel and with mlx-lm's path, one run each (same process order every time)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    for mode in fused mlx-lm; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench kv -m /var/tmp/$m --kv-bits 8,4 --batches ${BATCHES:-8,32} --context ${CONTEXT:-8192} --gen 64 \
+        --repeats ${REPEATS:-2} --prefill-chunk 8192 --kv-attention $mode --out "$OUT/kv-engine-$mode.json" 2>&1 | grep -v Warning | tail -12
+    done ;;
+  specctl)  # the speculation controller as shipped: lookup K=4 on synth-llama-8b, repetitive and random prompts, B=1 and 8
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m /var/tmp/$m --spec lookup --batches ${BATCHES:-1,8} --context 512 --gen ${GEN:-128} \
+      --repeats ${REPEATS:-3} --out "$OUT/bench-spec-ctl.json" 2>&1 | grep -v Warning | tail -14 ;;
+  served1)  # a lone request served by mlxb serve against our in-process B=1 and mlx-lm (issue 19), then CUDA LoRA parity
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    mlxb bench engine -m /var/tmp/$m --batches 1 --prompt-len 128 --gen 128 --repeats ${REPEATS:-5} --prefill-len 512 \
+      --out "$OUT/engine-b1-$m.json" 2>&1 | tail -8
+    mkdir -p /tmp/bench && cd /tmp/bench
+    mlxb bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8
+    tar czf "$OUT/served1-results.tgz" reports/results; cd - >/dev/null
+    timeout ${LIMIT:-200} python3 -m mlxb.commands.main parity --all --case lora --against live --json > "$OUT/parity-lora-live.json"
+    python3 -c "import json; d=json.load(open('$OUT/parity-lora-live.json')); r=d['results']
+print('lora parity', d['ok'], len(r), sum(x['exact'] for x in r), [x['case']+' '+x['against'] for x in r if not x['ok']])" ;;
   goldens)  # CUDA goldens: every tiny preset x case x B=1..4, fp32 and bf16 (resumable: existing files are kept)
     key=$(python3 -c 'from mlxb.doctor import machine_key; print(machine_key())')
     t0=$(date +%s); timeout ${LIMIT:-540} python3 -m mlxb.commands.main golden-gen --all 2>&1 | tail -4
