@@ -21,7 +21,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_
 
 from kv_attention_cost import timed  # scripts/ is on the path when this file runs
 
-from mlxb.kernels.quantized_attention import fused_decode, set_kv_attention, supports
+from mlxb.kernels.quantized_attention import fused_decode, supports
 
 
 def reference(q, qk, qv, scale, mask, group, bits):
@@ -61,7 +61,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out")
     a = ap.parse_args()
-    set_kv_attention("fused")
     errors = []
     for (B, hq, hkv, D) in ((3, 8, 8, 64), (3, 32, 8, 128), (2, 16, 2, 128)):
         for bits, group in ((8, 64), (4, 64), (8, 32), (4, 128)):

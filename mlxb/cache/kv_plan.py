@@ -150,7 +150,12 @@ def fit_plan(plan: Optional["KVPlan"], model) -> Optional["KVPlan"]:
 
 
 def kv_stats(plan: Optional[KVPlan]) -> dict:
-    """/stats: the plan's name, and how its quantized layers are read (buffer and attention kernel)."""
+    """/stats: the plan's name, and how its quantized layers are read (buffer, attention kernel, and the
+    grouped-query read: mlx-lm's, or folded where mlx-lm's is wrong on this backend; None until probed)."""
     if plan is None:
-        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None}
-    return {"kv_scheme": plan.name, "kv_reads": kv_reads(), "kv_attention": kv_attention()}
+        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None, "kv_gqa_read": None}
+    from mlxb.kernels import quantized_paths
+
+    exact = quantized_paths._EXACT
+    return {"kv_scheme": plan.name, "kv_reads": kv_reads(), "kv_attention": kv_attention(),
+            "kv_gqa_read": None if exact is None else ("mlx-lm" if exact else "folded")}

@@ -17,6 +17,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from mlxb.kernels.quantized_attention import mark
+
 _WHOLE: Optional[bool] = None
 
 
@@ -78,7 +80,7 @@ class QuantizedRowCache(QuantizedKVCache):
         if not whole_buffer_reads():
             return out
         self.keys, self.values = contiguous(self.keys), contiguous(self.values)
-        return self.keys, self.values
+        return mark(self.keys), mark(self.values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         if not whole_buffer_reads():

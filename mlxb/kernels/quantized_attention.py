@@ -30,8 +30,11 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlxb.kernels.quantized_paths import broadcast_exact, folded_attention, reference_attention
+
 MODES = ("mlx-lm", "fused")
 _MODE: Optional[str] = None
+_ROUTE: Optional[bool] = None  # whether batch layers mark their reads for the dispatcher
 _KERNELS: dict = {}
 _NO_MASK = None
 
@@ -46,7 +49,7 @@ def fused_available() -> bool:
 
 def set_kv_attention(mode: str) -> None:
     """Choose how quantized batch layers are read; 'fused' needs the CUDA backend."""
-    global _MODE
+    global _MODE, _ROUTE
     if mode not in MODES:
         raise ValueError(f"--kv-attention {mode}: choose one of {', '.join(MODES)}")
     if mode == "fused":
@@ -55,18 +58,14 @@ def set_kv_attention(mode: str) -> None:
                              "device); on this backend use --kv-attention mlx-lm")
         self_check()
         _install()
-    _MODE = mode
+    _MODE, _ROUTE = mode, None
 
 
 def self_check(tol: float = 1e-4) -> float:
     """Run the kernel on two small float32 cases (8 and 4 bits, several groups per row, padding, a buffer
-    tail, several chunks, GQA 4) and compare it with mlx-lm's path before any request can reach it: a
-    kernel that does not compile or disagrees on this device refuses the flag instead of failing
-    requests. Returns the max difference."""
-    import mlx_lm.models.base as base
-
-    original = getattr(base.quantized_scaled_dot_product_attention, "_mlxb_original",
-                       base.quantized_scaled_dot_product_attention)
+    tail, several chunks, GQA 4) against float32 attention over the dequantized cache before any request
+    can reach it: a kernel that does not compile or disagrees on this device refuses the flag instead of
+    failing requests. Returns the max difference."""
     err = 0.0
     for bits, group, seed in ((8, 32, 7), (4, 64, 8)):  # several groups per row, both packings
         k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
@@ -78,14 +77,15 @@ def self_check(tol: float = 1e-4) -> float:
         mask = ((pos[None] >= mx.array([0, 70])[:, None]) & (pos[None] < 300)).reshape(B, 1, 1, width)
         try:
             got = fused_decode(q, qk, qv, D ** -0.5, mask, group, bits)
-            want = original(mx.array(q), qk, qv, scale=D ** -0.5, mask=mask, group_size=group, bits=bits)
+            want = reference_attention(q, qk, qv, D ** -0.5, mask, group, bits)
             err = max(err, mx.abs(got - want).max().item())
         except Exception as e:  # a compile or launch failure on this device
             raise ValueError(f"--kv-attention fused: the kernel failed on this device ({e}); "
                              "use --kv-attention mlx-lm") from e
         if not err <= tol:
-            raise ValueError(f"--kv-attention fused: the kernel disagrees with mlx-lm's quantized attention on "
-                             f"this device (max |diff| {err:.3g} > {tol:g}); use --kv-attention mlx-lm")
+            raise ValueError(f"--kv-attention fused: the kernel disagrees with float32 attention over the "
+                             f"dequantized cache on this device (max |diff| {err:.3g} > {tol:g}); "
+                             "use --kv-attention mlx-lm")
     return err
 
 
@@ -97,8 +97,14 @@ def kv_attention() -> str:
 
 
 def mark(t: tuple) -> tuple:
-    """The cache's (values, scales, biases), marked for the fused kernel when it is selected."""
-    return Packed(t) if kv_attention() == "fused" else t
+    """The cache's (values, scales, biases), marked for the dispatcher when the fused kernel is selected
+    or mlx-lm's grouped-query read is wrong on this backend (``quantized_paths``)."""
+    global _ROUTE
+    if _ROUTE is None:
+        _ROUTE = kv_attention() == "fused" or not broadcast_exact()
+        if _ROUTE:
+            _install()
+    return Packed(t) if _ROUTE else t
 
 
 _HEADER = r"""
@@ -327,8 +333,9 @@ def fused_decode(queries, q_keys, q_values, scale: float, mask, group_size: int,
 
 
 def _install() -> None:
-    """Route marked (``Packed``) quantized reads through the fused kernel; everything else, including
-    mlx-lm's own ``QuantizedKVCache``, keeps mlx-lm's ``quantized_scaled_dot_product_attention``."""
+    """Route marked (``Packed``) quantized reads through the fused kernel (decode, when selected) or the
+    folded read (where mlx-lm's broadcast is wrong); everything else, including mlx-lm's own
+    ``QuantizedKVCache`` (the parity oracle), keeps mlx-lm's ``quantized_scaled_dot_product_attention``."""
     import mlx_lm.models.base as base
 
     if getattr(base.quantized_scaled_dot_product_attention, "_mlxb_fused", False):
@@ -336,8 +343,11 @@ def _install() -> None:
     original = base.quantized_scaled_dot_product_attention
 
     def dispatch(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
-        if isinstance(q_keys, Packed) and supports(queries, q_keys, q_values, mask, group_size, bits):
-            return fused_decode(queries, q_keys, q_values, scale, mask, group_size, bits)
+        if isinstance(q_keys, Packed):
+            if _MODE == "fused" and supports(queries, q_keys, q_values, mask, group_size, bits):
+                return fused_decode(queries, q_keys, q_values, scale, mask, group_size, bits)
+            if not broadcast_exact():
+                return folded_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
         return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
     dispatch._mlxb_fused = True

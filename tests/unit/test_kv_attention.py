@@ -53,7 +53,7 @@ def test_supports_only_single_token_whole_buffer_reads():
 
 def test_dispatch_leaves_unmarked_reads_on_mlx_lms_path():
     """(mlx-lm scales its queries in place, hence the copies.) With the dispatcher installed, a plain tuple (mlx-lm's QuantizedKVCache) gives mlx-lm's result
-    bit for bit, and a marked one is routed to the fused kernel."""
+    bit for bit, and a marked one is routed to the fused kernel only when it is selected."""
     mx.random.seed(1)
     original = base.quantized_scaled_dot_product_attention
     qk, qv = _packed(2, 2, 64, 64), _packed(2, 2, 64, 64)
@@ -68,9 +68,15 @@ def test_dispatch_leaves_unmarked_reads_on_mlx_lms_path():
         qa.fused_decode = lambda *a: calls.append(a) or mx.zeros_like(q)
         got = base.quantized_scaled_dot_product_attention(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=8)
         assert mx.array_equal(got, want) and not calls
+        qa._MODE = "mlx-lm"  # marked only because the backend's grouped-query read is wrong: not the kernel
+        got = base.quantized_scaled_dot_product_attention(mx.array(q), qa.Packed(qk), qa.Packed(qv), scale=0.125,
+                                                          mask=mask, group_size=64, bits=8)
+        assert mx.array_equal(got, want) and not calls
+        qa._MODE = "fused"
         base.quantized_scaled_dot_product_attention(q, qa.Packed(qk), qa.Packed(qv), scale=0.125, mask=mask,
                                                     group_size=64, bits=8)
         assert len(calls) == 1
     finally:
         qa.fused_decode = real
+        qa._MODE, qa._ROUTE = "mlx-lm", None
         base.quantized_scaled_dot_product_attention = original
