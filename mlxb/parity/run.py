@@ -141,6 +141,11 @@ def _quant_backend(t: Target) -> Optional[str]:
     except (RuntimeError, ValueError) as e:
         return (f"{mx.default_device()} has no quantized attention for {t.dtype} at head size {t.head_dim} "
                 f"({str(e).splitlines()[0][:90]})")
+    from mlxb.kernels.quantized_paths import broadcast_exact
+
+    if not broadcast_exact():
+        return (f"mlx-lm's grouped-query quantized attention is wrong on {mx.default_device()} (it differs from "
+                "float32 attention over the dequantized cache), so the oracle cannot judge the engine's reads")
     return None
 
 
