@@ -1,11 +1,12 @@
 """One decode step at B rows of ``context`` tokens: full-width batch KV against KV8 and KV4 (and, on CUDA,
-KV8/KV4 read by the fused kernel of ``--kv-attention fused``), on the model's
+KV8/KV4 read by the fused kernel of ``--kv-attention fused``; where mlx-lm's read is trusted, also KV8/KV4
+read folded, ``MLXB_KV_READ=folded``), on the model's
 own forward (no engine, no prefill in the timing). One row is prefilled and copied into B rows; the arms
 are timed in interleaved rounds of 8 steps, each step synchronized.
 
     python scripts/kv_step_cost.py MODEL_DIR B CONTEXT [GROUP_SIZE]
 """
-import sys, time, json, statistics
+import os, sys, time, json, statistics
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlxb.models import load_model
@@ -13,6 +14,7 @@ from mlxb.cache.protocol import AlignedBatchKVCache
 from mlxb.cache.quantized import quantize_batch
 from mlxb.cache.quantized_read import kv_reads
 from mlxb.kernels.quantized_attention import fused_available, set_kv_attention
+from mlxb.kernels.quantized_paths import broadcast_exact
 m, tok, spec, _ = load_model(sys.argv[1]); B = int(sys.argv[2]); ctx = int(sys.argv[3])
 print("kv reads", kv_reads(), flush=True)
 ids = mx.random.randint(3, 8000, (ctx,))
@@ -32,11 +34,15 @@ for bits in (8, 4):
 if fused_available():  # the same packed caches read through the fused kernel (--kv-attention fused)
     for bits in (8, 4):
         arms[f"kv{bits}-fused"] = arms[f"kv{bits}"]
+if broadcast_exact():  # mlx-lm's read is right here: the kv arms take it, these the folded one
+    for bits in (8, 4):
+        arms[f"kv{bits}-folded"] = arms[f"kv{bits}"]
 del c
 tokens = mx.zeros((B, 1), dtype=mx.uint32)
 res = {k: [] for k in arms}
 def mode(k):
-    set_kv_attention("fused" if k.endswith("fused") else "mlx-lm")
+    os.environ["MLXB_KV_READ"] = "folded" if k.endswith("folded") else "auto"
+    set_kv_attention("fused" if k.endswith("fused") else "mlx-lm")  # also makes the caches' reads be marked again
 for k, cs in arms.items():
     mode(k)
     for _ in range(3): mx.eval(m(tokens, cache=cs))

@@ -85,7 +85,8 @@ class BatchQuantizedKVCache(AlignedBatchKVCache):
         if whole_buffer_reads():
             self.keys, self.values = contiguous(self.keys), contiguous(self.values)
             return mark(self.keys), mark(self.values)
-        return self.keys_and_values()
+        k, v = self.keys_and_values()
+        return mark(k), mark(v)
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         if not whole_buffer_reads():

@@ -78,7 +78,7 @@ class QuantizedRowCache(QuantizedKVCache):
     def update_and_fetch(self, keys, values):
         out = super().update_and_fetch(keys, values)
         if not whole_buffer_reads():
-            return out
+            return mark(out[0]), mark(out[1])
         self.keys, self.values = contiguous(self.keys), contiguous(self.values)
         return mark(self.keys), mark(self.values)
 

@@ -73,8 +73,8 @@ class _Lanes(_BaseCache):
         out = [lane.update_and_fetch(k, v) for lane, k, v in zip(self.lanes, qk, qv)]
         k, v = tuple(o[0] for o in out), tuple(o[1] for o in out)
         if whole_buffer_reads():
-            k, v = mark(contiguous(k)), mark(contiguous(v))  # --kv-attention fused when the mask fits
-        return k, v
+            k, v = contiguous(k), contiguous(v)
+        return mark(k), mark(v)  # the fused kernel (when the mask fits) or the folded read, where selected
 
     def make_mask(self, *args, **kwargs):
         return self.lanes[0].make_mask(*args, **kwargs)

@@ -32,7 +32,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels.quantized_paths import broadcast_exact, folded_attention, reference_attention
+from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 
 MODES = ("mlx-lm", "fused")
 _MODE: Optional[str] = None
@@ -103,7 +103,7 @@ def mark(t: tuple) -> tuple:
     or mlx-lm's grouped-query read is wrong on this backend (``quantized_paths``)."""
     global _ROUTE
     if _ROUTE is None:
-        _ROUTE = kv_attention() == "fused" or not broadcast_exact()
+        _ROUTE = kv_attention() == "fused" or fold_reads()
         if _ROUTE:
             _install()
     return Packed(t) if _ROUTE else t
@@ -348,7 +348,7 @@ def _install() -> None:
         if isinstance(q_keys, Packed):
             if _MODE == "fused" and supports(queries, q_keys, q_values, mask, group_size, bits):
                 return fused_decode(queries, q_keys, q_values, scale, mask, group_size, bits)
-            if not broadcast_exact():
+            if fold_reads():
                 return folded_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
         return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 

@@ -16,11 +16,13 @@ the parity goldens come from, keeps mlx-lm's path without probing.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import mlx.core as mx
 
 _EXACT: Optional[bool] = None
+READS = ("auto", "folded", "mlx-lm")
 
 
 def reference_attention(queries, q_keys, q_values, scale: float, mask, group_size: int, bits: int):
@@ -84,3 +86,12 @@ def broadcast_exact() -> bool:
     if _EXACT is None:
         _EXACT = True if mx.default_device() == mx.cpu else probe()
     return _EXACT
+
+
+def fold_reads() -> bool:
+    """Whether the engine's quantized layers read through ``folded_attention``: ``MLXB_KV_READ=folded`` or
+    ``mlx-lm`` forces it (measurements), ``auto`` (default) folds where mlx-lm's read is wrong."""
+    how = os.environ.get("MLXB_KV_READ", "auto")
+    if how not in READS:
+        raise ValueError(f"MLXB_KV_READ={how}: choose one of {', '.join(READS)}")
+    return how == "folded" or (how == "auto" and not broadcast_exact())
