@@ -94,12 +94,11 @@ def serve(
     tps = gw.engine.stats()["tensor_parallel"]
     if tps is not None:
         console.print(f"tensor parallel: {tps['ranks']} ranks ({tps['backend']}); weights and KV rows split per rank; "
-                      f"not mirrored yet: {', '.join(tps['not_mirrored'])}")
+                      f"one process only: {', '.join(tps['not_mirrored'])}")
     if pc is None:
-        console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)")
-                      + (" (not mirrored across --tp ranks yet)" if tps is not None and prompt_cache else ""))
+        console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))
     else:
-        disk = f"SSD {pc.disk.root} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
+        disk = f"SSD {pc.disk.root}{' (each rank its own tp<N>-rank<r> folder)' if tps is not None else ''} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
         console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "
                       + "; ".join(f"{k} {v}" for k, v in pc.stats()["reuse"].items()))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,

@@ -212,17 +212,18 @@ class PromptCache:
     def _check_layers(self, layers: list, num_tokens: int) -> None:
         if len(layers) != len(self.kinds):
             raise ValueError(f"{len(layers)} layers, this model has {len(self.kinds)} (another model's file?)")
-        for i, (c, k, shape) in enumerate(zip(layers, self.kinds, self._shapes)):
+        for i, (c, k) in enumerate(zip(layers, self.kinds)):
+            shape = self._shapes[i] if i < len(self._shapes) else None  # none probed under --tp (no forward)
             if k in ("full", "rotating") and (isinstance(c, QuantizedKVCache) or snap.is_stored_ring(c)):
                 # --kv-bits: heads and dtype (the namespace names the scheme)
                 head = c.caches[0] if snap.is_stored_ring(c) else c
                 parts = [r.keys for r in c.caches[:3]] if snap.is_stored_ring(c) else head.keys
-                if (parts[0].shape[1], str(parts[1].dtype)) != (shape[0], shape[3]):
+                if shape is not None and (parts[0].shape[1], str(parts[1].dtype)) != (shape[0], shape[3]):
                     raise ValueError(f"layer {i} is a quantized cache of another shape (another model's file?)")
                 c = head
             elif not isinstance(c, _CLASSES[k]):
                 raise ValueError(f"layer {i} is {type(c).__name__}, expected a {k} cache (another model's file?)")
-            elif self._layer_shape(c, k) != shape:
+            elif shape is not None and self._layer_shape(c, k) != shape:
                 raise ValueError(f"layer {i} has shapes {self._layer_shape(c, k)}, this model needs {shape}")
             if k != "ssm" and c.offset != num_tokens:
                 raise ValueError(f"layer {i} holds {c.offset} tokens, the header says {num_tokens}")

@@ -48,6 +48,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def write_atomically(path: Path, save: Callable[[str, object], None], prepared) -> None:
+    """``save(tmp, prepared)`` to a temporary name beside ``path``, synced, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    save(str(tmp), prepared)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class DiskTier:
     def __init__(self, root: str | Path, max_bytes: int, *, trimmable: dict[str, bool],
                  save: Callable[[str, object], None], prepare: Callable[[list], object] = lambda layers: layers,
@@ -172,12 +182,7 @@ class DiskTier:
 
     def _write(self, entry: PrefixEntry, prepared, kinds: list, fingerprint: str) -> None:
         payload, header = self._paths(entry.namespace, entry.tokens)
-        payload.parent.mkdir(parents=True, exist_ok=True)
-        tmp = payload.with_name(payload.stem + ".tmp.safetensors")
-        self._save(str(tmp), prepared)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, payload)
+        write_atomically(payload, self._save, prepared)
         size = payload.stat().st_size
         h = {"version": VERSION, "namespace": entry.namespace, "fingerprint": fingerprint,
              "tokens": list(entry.tokens), "tokens_sha256": tokens_hash(entry.tokens), "num_tokens": entry.num_tokens,

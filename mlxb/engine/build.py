@@ -33,7 +33,7 @@ def default_cache_bytes(kv_budget: Optional[int], weights_bytes: int = 0) -> int
 def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: Optional[int] = None,
                        max_entries: Optional[int] = None, disk_dir: Optional[str] = None,
                        disk_bytes: Optional[int] = None, mirrored: bool = False):
-    """``mirrored`` (--tp): rank 0's cache tells the other ranks what to keep (RAM tier only)."""
+    """``mirrored`` (--tp): rank 0's cache tells the other ranks what to keep (RAM and SSD tiers)."""
     from functools import partial
 
     from mlxb.cache.prompt_cache import PromptCache
@@ -114,7 +114,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 60.0,
                   **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
-    link = tp_link(tp, batch=batch, prompt_cache_dir=prompt_cache_dir) if tp > 1 else None
+    link = tp_link(tp, batch=batch) if tp > 1 else None
     scheme = None
     if kv_bits is not None:
         from mlxb.cache.kv_plan import KVScheme
@@ -157,7 +157,11 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         except ValueError as e:
             raise ValidationError(str(e), param="kv_config") from None
     if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
-        raise SystemExit(run_follower(m, link))
+        from mlxb.models.synth import mlxb_home
+
+        ssd = prompt_cache and prompt_cache_disk_bytes != 0  # as rank 0's build_prompt_cache decides
+        raise SystemExit(run_follower(m, link, disk_dir=(prompt_cache_dir or str(mlxb_home() / "prompt-cache"))
+                                      if ssd else None))
     if link is not None:
         from functools import partial
 
@@ -195,16 +199,13 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     return gw
 
 
-def tp_link(tp: int, *, batch: int, prompt_cache_dir: Optional[str] = None):
-    """``--tp N``: refuse what is not mirrored across ranks yet, then join the ``mlx.launch`` group."""
+def tp_link(tp: int, *, batch: int):
+    """``--tp N``: refuse what is not mirrored across ranks, then join the ``mlx.launch`` group."""
     from mlxb.errors import ValidationError
 
     if batch <= 1:
         raise ValidationError("--tp runs on the batch lane; --batch 1 (the strict serial path) is one process only: "
                               "use --batch 2 or more with --tp", param="tp")
-    if prompt_cache_dir:
-        raise ValidationError("--prompt-cache-dir: the prompt cache's SSD tier is not mirrored across --tp ranks "
-                              "(its RAM tier is); leave --prompt-cache-dir out with --tp", param="prompt_cache_dir")
     from mlxb.engine.tp import Link, init_group
 
     return Link(init_group(tp))

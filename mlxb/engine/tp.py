@@ -28,10 +28,8 @@ How the ranks stay in step (``TPRunner`` on rank 0):
   than ``--tp-timeout``), marks the engine failed (``/health`` 503 with the reason) and exits
   the process non-zero, which makes ``mlx.launch`` stop the other ranks.
 
-Not mirrored yet, and therefore refused or off under ``--tp``: the prompt cache (each rank would
-need the same entries), speculative decoding, ``--batch 1`` (the serial lane). LoRA adapters work:
-each rank keeps its part of every adapter's factors (``mlxb.engine.lora.install``) and a row's
-adapter slot travels with its new-row message.
+Refused under ``--tp``: ``--batch 1`` (the serial lane). Mirrored: the prompt cache (RAM and SSD tiers,
+``mlxb.engine.tp_cache``), speculation, LoRA (each rank holds its part of every adapter's factors).
 """
 
 from __future__ import annotations
@@ -52,6 +50,7 @@ from mlxb.request import Request
 NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
 SEED, PUT, FREE, EXTRACT = range(14, 18)  # the prompt cache's entries on every rank (mlxb.engine.tp_cache)
 VERIFY, SETTLE, COMPACT = range(18, 21)  # --spec: rank 0's drafts, what each row kept, holes compacted (mlxb.engine.spec)
+SPILL, RESTORE, DISK_DROP = range(21, 24)  # the prompt cache's SSD tier on every rank (mlxb.engine.tp_cache)
 JOIN_MODES = ("extend", "merge")
 HEAD = 32  # words in the first all_sum of a message (its length, then up to 31 words)
 EXIT_CODE = 70  # the process exits with this when a rank stopped answering
@@ -178,6 +177,10 @@ class Link:
             words += self._msg(mx.zeros(n - HEAD + 1, dtype=mx.int32)).tolist()
         return words
 
+    def agree(self, ok: int) -> int:
+        """How many ranks say ``ok`` (1 or 0): every rank calls this at the same point of a message."""
+        return int(self._msg(mx.array([int(ok)], dtype=mx.int32)).item())
+
     def share(self, a: mx.array) -> mx.array:
         """Rank 0's ``a`` (integer tokens) on every rank, as a node of the lazy graph."""
         x = a.astype(mx.int32)
@@ -205,12 +208,16 @@ class TPRunner(Runner):
         self._rows = weakref.WeakValueDictionary()  # key -> row (prompt-cache sources and seeds)
         self._sources: dict = {}  # id(layers) -> (layers, (SRC_*, index)): snapshots the followers can name
         self._free_later: list[int] = []
+        self._async: deque = deque()  # words queued off the engine thread (the SSD writer's deletions)
+        self.before_stop: list = []  # run before STOP (the prompt cache spills its RAM tier on every rank)
         self._last_message = time.monotonic()
         self._flush()  # now: the Engine's KV projection forward comes next
         self.link.busy_since = None
 
     def _flush(self, *words: int, kind: str = "work") -> None:
         msg, self._queued = self._queued, []
+        while self._async:
+            msg += self._async.popleft()
         gone = []
         while self._gone:
             gone.append(self._gone.popleft())
@@ -251,6 +258,20 @@ class TPRunner(Runner):
 
     def queue_cache_op(self, *words: int) -> None:
         self._queued += list(words)
+
+    def queue_async(self, words: list[int]) -> None:
+        """Queue words from another thread (they go with the next message)."""
+        self._async.append(list(words))
+
+    def restore(self, words: tuple, load) -> tuple:
+        """An SSD restore on every rank: send ``words`` now, run ``load()`` here (a result, or None when
+        this rank's file was bad), then count the ranks that succeeded. Returns (result, all succeeded)."""
+        self._flush(*words)
+        try:
+            got = load()
+            return got, self.link.agree(got is not None) == self.link.size
+        finally:
+            self.link.busy_since = None
 
     def mirror_compact(self) -> None:
         self._queued.append(COMPACT)  # adaptive --spec compacted the holes before a plain step
@@ -338,10 +359,12 @@ class TPRunner(Runner):
         return {"ranks": lk.size, "backend": backend_name(), "messages_over": lk.channel,
                 "kv_bytes_per": "rank", "messages": lk.messages,
                 "mean_words": round(lk.words / lk.messages, 2) if lk.messages else 0.0,
-                "not_mirrored": ["the prompt cache's SSD tier", "--batch 1"]}
+                "not_mirrored": ["--batch 1"]}
 
     def close(self) -> None:
-        """Clean stop: the other ranks leave their loops."""
+        """Clean stop: the other ranks leave their loops (after what must reach them first)."""
+        for f in self.before_stop:
+            f()
         self._flush(STOP, kind="ping")
         self.link.busy_since = None
 

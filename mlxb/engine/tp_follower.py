@@ -13,10 +13,11 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
-from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DROP, ENGINE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
-                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, SEED, SETTLE, STOP, VERIFY, COMPACT, Link)
+from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DISK_DROP, DROP, ENGINE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
+                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, RESTORE, SEED, SETTLE, SPILL, STOP, VERIFY, COMPACT,
+                            Link)
 from mlxb.engine.spec import follow_verify, settle, settle_holes
-from mlxb.engine.tp_cache import FollowerStore
+from mlxb.engine.tp_cache import FollowerDisk, FollowerStore, rank_dir
 from mlxb.request import Request
 
 
@@ -30,13 +31,14 @@ def _plan_from(words: list[int], n: int):
     return KVPlan(layers, start), 1 + 2 * n
 
 
-def run_follower(model, link: Link, reload: Optional[Callable] = None) -> int:
+def run_follower(model, link: Link, reload: Optional[Callable] = None, disk_dir: Optional[str] = None) -> int:
     """A rank other than 0: replay rank 0's runner calls on this shard until it says STOP. ``reload(recipes)``
-    (parity) gives a fresh shard with those random-weight LoRA adapters installed (None: none)."""
+    (parity) gives a fresh shard with those random-weight LoRA adapters installed (None: none);
+    ``disk_dir``: the prompt cache's SSD folder (this rank's shards go to its ``tp<N>-rank<r>``)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 stops them (STOP)
-    return follow(model, link, reload)
+    return follow(model, link, reload, disk_dir)
 
 
 def _engine(model, w: list[int], i: int, reload: Optional[Callable], have: Optional[list]):
@@ -60,8 +62,9 @@ def _engine(model, w: list[int], i: int, reload: Optional[Callable], have: Optio
     return runner, model, want, r + 3 * n + used
 
 
-def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
+def follow(model, link: Link, reload: Optional[Callable] = None, disk_dir: Optional[str] = None) -> int:
     """The follower's loop: one message at a time, its ops in order."""
+    disk = FollowerDisk(rank_dir(disk_dir, link.size, link.rank)) if disk_dir else None
     runner: Optional[Runner] = None
     recipes = None  # the LoRA recipes the current shard carries (parity)
     rows: dict[int, object] = {}
@@ -74,7 +77,7 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
             if op == ENGINE:
                 runner, model, recipes, i = _engine(model, w, i, reload, recipes)
                 runner.share = link.share
-                rows, cohort, store = {}, None, FollowerStore(runner.kinds)
+                rows, cohort, store = {}, None, FollowerStore(runner.kinds, disk)
             elif op == NEW:  # key, LoRA adapter slot, prompt length, prompt ids
                 key, slot, n = w[i + 1], w[i + 2], w[i + 3]
                 rows[key] = runner.new_row(Request(f"tp-{key}", w[i + 4 : i + 4 + n], max_tokens=1 << 30, adapter=slot))
@@ -101,6 +104,15 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
             elif op == FREE:
                 store.entries.pop(w[i + 1], None)
                 i += 2
+            elif op == SPILL:  # entry id, its name on disk (6 words)
+                store.spill(w[i + 1], w[i + 2 : i + 8])
+                i += 8
+            elif op == RESTORE:  # entry id, name; then every rank says whether its shard was whole
+                store.restore(w[i + 1], w[i + 2 : i + 8], link)
+                i += 8
+            elif op == DISK_DROP:
+                store.drop(w[i + 1 : i + 7])
+                i += 7
             elif op == EXTRACT:
                 n = w[i + 1]
                 store.extracted = [layers for _, layers, _ in runner.extract_rows(w[i + 2 : i + 2 + n])]
@@ -152,6 +164,8 @@ def follow(model, link: Link, reload: Optional[Callable] = None) -> int:
                 if runner is not None:
                     runner.drop_all()
                 mx.synchronize()
+                if disk is not None:  # the RAM tier rank 0 spilled before STOP is written before we exit
+                    disk.close()
                 return 0
             else:
                 raise RuntimeError(f"rank {link.rank}: unknown tensor-parallel op {op} (ranks out of step)")
