@@ -16,7 +16,7 @@ from mlxb.cache.quantized_read import kv_reads
 from mlxb.kernels.quantized_attention import fused_available, set_kv_attention
 from mlxb.kernels.quantized_paths import broadcast_exact
 m, tok, spec, _ = load_model(sys.argv[1]); B = int(sys.argv[2]); ctx = int(sys.argv[3])
-print("kv reads", kv_reads(), flush=True)
+print("kv reads", kv_reads(), "| mlx-lm's grouped-query read trusted:", broadcast_exact(), flush=True)
 ids = mx.random.randint(3, 8000, (ctx,))
 c = make_prompt_cache(m)
 t0 = time.perf_counter()
