@@ -156,6 +156,6 @@ def kv_stats(plan: Optional[KVPlan]) -> dict:
         return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None, "kv_gqa_read": None}
     from mlxb.kernels import quantized_paths
 
-    folded = None if quantized_paths._EXACT is None else quantized_paths.fold_reads()
+    folded = quantized_paths._FOLD
     return {"kv_scheme": plan.name, "kv_reads": kv_reads(), "kv_attention": kv_attention(),
             "kv_gqa_read": None if folded is None else ("folded" if folded else "mlx-lm")}

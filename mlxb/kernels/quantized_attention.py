@@ -32,6 +32,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlxb.kernels import quantized_paths
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 
 MODES = ("mlx-lm", "fused")
@@ -61,6 +62,7 @@ def set_kv_attention(mode: str) -> None:
         self_check()
         _install()
     _MODE, _ROUTE = mode, None
+    quantized_paths.reset()
 
 
 def self_check(tol: float = 1e-4) -> float:

@@ -22,6 +22,7 @@ from typing import Optional
 import mlx.core as mx
 
 _EXACT: Optional[bool] = None
+_FOLD: Optional[bool] = None  # fold_reads(), decided once (it is asked per layer per step)
 READS = ("auto", "folded", "mlx-lm")
 
 
@@ -90,8 +91,17 @@ def broadcast_exact() -> bool:
 
 def fold_reads() -> bool:
     """Whether the engine's quantized layers read through ``folded_attention``: ``MLXB_KV_READ=folded`` or
-    ``mlx-lm`` forces it (measurements), ``auto`` (default) folds where mlx-lm's read is wrong."""
-    how = os.environ.get("MLXB_KV_READ", "auto")
-    if how not in READS:
-        raise ValueError(f"MLXB_KV_READ={how}: choose one of {', '.join(READS)}")
-    return how == "folded" or (how == "auto" and not broadcast_exact())
+    ``mlx-lm`` forces it (measurements), ``auto`` (default) folds where mlx-lm's read is wrong. Decided
+    once; ``reset()`` asks again."""
+    global _FOLD
+    if _FOLD is None:
+        how = os.environ.get("MLXB_KV_READ", "auto")
+        if how not in READS:
+            raise ValueError(f"MLXB_KV_READ={how}: choose one of {', '.join(READS)}")
+        _FOLD = how == "folded" or (how == "auto" and not broadcast_exact())
+    return _FOLD
+
+
+def reset() -> None:
+    global _FOLD
+    _FOLD = None

@@ -78,5 +78,5 @@ def test_dispatch_leaves_unmarked_reads_on_mlx_lms_path():
         assert len(calls) == 1
     finally:
         qa.fused_decode = real
-        qa._MODE, qa._ROUTE = "mlx-lm", None
+        qa._MODE, qa._ROUTE, qa.quantized_paths._FOLD = "mlx-lm", None, None
         base.quantized_scaled_dot_product_attention = original

@@ -36,7 +36,7 @@ def planted(monkeypatch):
         yield original
     finally:
         base.quantized_scaled_dot_product_attention = saved
-        qa._MODE, qa._ROUTE, qp._EXACT = "mlx-lm", None, None
+        qa._MODE, qa._ROUTE, qp._EXACT, qp._FOLD = "mlx-lm", None, None, None
 
 
 def test_folded_read_is_mlx_lm_arithmetic():
@@ -65,10 +65,10 @@ def test_engine_rows_route_around_a_wrong_read(tiny_models, planted):
     clean, seen, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
     assert seen["quantized_batch"]
     base.quantized_scaled_dot_product_attention = gqa_fault(planted)
-    qa._ROUTE, qp._EXACT = None, True  # a backend that trusts the read: the fault reaches the rows
+    qa._ROUTE, qp._EXACT, qp._FOLD = None, True, None  # a backend that trusts the read: the fault reaches the rows
     hurt, _, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
     assert not all(same(a, b) for a, b in zip(clean, hurt))
-    qa._ROUTE, qp._EXACT = None, qp.probe()  # what broadcast_exact() decides off the CPU
+    qa._ROUTE, qp._EXACT, qp._FOLD = None, qp.probe(), None  # what broadcast_exact() decides off the CPU
     assert qp._EXACT is False
     routed, _, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
     assert all(same(a, b) for a, b in zip(clean, routed))

@@ -126,7 +126,7 @@ def test_engine_rows_take_the_fused_read_and_keep_their_tokens(tiny_models, monk
         qa.set_kv_attention("fused")
         got, _, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 16)
     finally:
-        qa._MODE, qa._ROUTE = "mlx-lm", None
+        qa._MODE, qa._ROUTE, qa.quantized_paths._FOLD = "mlx-lm", None, None
         base.quantized_scaled_dot_product_attention = original
     assert GROUP == 32 and len(calls) >= 8 and max(b for b, _, _ in calls) == 3
     # every call agrees with mlx-lm's quantized attention on the same inputs (float32 sum order only)
@@ -167,4 +167,4 @@ def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monk
         with pytest.raises(ValueError, match="failed on this device.*--kv-attention mlx-lm"):
             qa.set_kv_attention("fused")
     finally:
-        qa._MODE, qa._ROUTE = "mlx-lm", None
+        qa._MODE, qa._ROUTE, qa.quantized_paths._FOLD = "mlx-lm", None, None
