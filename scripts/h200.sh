@@ -162,6 +162,11 @@ print(d['ok'], d['machine_key'], len(r), sum(x['steps'] for x in r), sum(x['exac
     python3 -c "import mlx.core as mx; from mlxb.cache.protocol import mask_free_is_exact as f
 for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('mask-free exact', h, d, f(mx.zeros((8, 8, 64, h), dtype=d)))"
     python3 scripts/mask_cost.py /var/tmp/$m --batches ${BATCHES:-8,32,64} 2>&1 | grep -v Warning | tee "$OUT/mask-cost-$m.txt" ;;
+  tpnccl)  # nvidia-h200-x2: one all_sum's latency (alone, 64 chained in one graph) under NCCL protocol/algorithm settings
+    L="python3 /tmp/site/bin/mlx.launch --backend nccl -n 2 --"
+    for v in "" "NCCL_PROTO=LL" "NCCL_PROTO=LL128" "NCCL_PROTO=Simple" "NCCL_ALGO=Ring NCCL_PROTO=LL" "NCCL_MAX_NCHANNELS=1 NCCL_PROTO=LL"; do
+      echo "env: ${v:-default}"; env $v NCCL_NVLS_ENABLE=0 timeout 60 $L python3 scripts/tp_diag.py x --collectives-only 2>&1 | grep -v "NCCL INFO\|Warning" | tail -2
+    done ;;
   tp)  # nvidia-h200-x2: tensor parallel over NCCL. TP=2 vs one GPU (our engine both sides, one run), then served 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

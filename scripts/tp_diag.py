@@ -16,6 +16,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("--gen", type=int, default=128)
 ap.add_argument("--out")
+ap.add_argument("--collectives-only", action="store_true", help="time the all_sums only (no model)")
 a = ap.parse_args()
 g = mx.distributed.init()
 rank = g.rank()
@@ -35,6 +36,10 @@ for n in (1, 64):
             y = mx.distributed.all_sum(y, group=g) * 0.5
         mx.eval(y)
     res[f"chain{n}_ms"] = (time.perf_counter() - t0) * 100
+if a.collectives_only:
+    if rank == 0:
+        print(json.dumps(res))
+    raise SystemExit(0)
 from mlx_lm import stream_generate  # noqa: E402
 from mlx_lm.utils import load  # noqa: E402
 
