@@ -311,7 +311,9 @@ def engine(
                        f"{st['wait_ms']:.2f}", f"{st['emit_ms']:.2f}", f"{st['deliver_ms']:.2f}",
                        f"{st['prefill_s_total']:.3f}")
         console.print(tt)
-    out = out or Path("reports/results") / f"engine-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    from mlxb.bench.store import result_file
+
+    out = out or result_file("engine", spec.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str))
     sj = res["late_joiner_stall"]

@@ -15,11 +15,12 @@ from mlxb.commands.bench import app
 
 def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
     """Label the result (machine, versions, model, date) and write it."""
+    from mlxb.bench.store import result_file
     from mlxb.doctor import report
 
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    out = out or Path("reports/results") / f"{kind}-{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = out or result_file(kind, spec.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str))
     console.print(f"wrote {out}")

@@ -31,6 +31,12 @@ def git_commit() -> str:
         return "unknown"
 
 
+def result_file(kind: str, model: str) -> Path:
+    """reports/results/<kind>-<model>-<time>.json; a model given as a folder path is named by its last part."""
+    stem = Path(model.rstrip("/")).name or "model"
+    return Path("reports/results") / f"{kind}-{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+
+
 def labels(model: str, dtype: Optional[str], bench: str) -> dict:
     from mlxb.doctor import report
 

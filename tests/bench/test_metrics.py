@@ -1,6 +1,7 @@
 """Load-client metrics, arrivals, matrix parsing, Parquet store and report rendering (no model)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -147,3 +148,11 @@ def test_cell_server_args_reach_both_stacks():
     for stack in ("mlxb", "mlx-lm"):
         cmd = command(stack, "/m", 1234, 8, 2048, 64, "/tmp/pc", ("--kv-bits", "4"))
         assert cmd[-2:] == ["--kv-bits", "4"] and "--port" in cmd
+
+
+def test_result_file_names_a_model_folder_by_its_last_part():
+    from mlxb.bench.store import result_file
+
+    p = result_file("kv", "/var/tmp/synth-llama-8b/")
+    assert p.parent == Path("reports/results") and p.name.startswith("kv-synth-llama-8b-") and p.suffix == ".json"
+    assert result_file("engine", "synth-llama-30m").name.startswith("engine-synth-llama-30m-")
