@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Annotated, Optional
@@ -50,11 +51,81 @@ def not_implemented(name: str, issue: str) -> None:
 
 
 def progress(transient: bool = False):
-    """The Rich progress bar every long-running command uses."""
+    """The Rich progress bar every long-running command uses, on stderr (stdout keeps tables and --json).
+    Where stderr is no terminal (a log file, a pipe, a remote run) Rich draws nothing until the end, so
+    there a plain line is written whenever a task's text changes, at most every 15 s otherwise."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=transient)
+    cls = Progress if err_console.is_terminal else _log_progress_class()
+    return cls(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               console=err_console, transient=transient)
+
+
+@contextlib.contextmanager
+def status(text: str):
+    """A spinner with a changing text on stderr; where stderr is no terminal, one line per text."""
+    if err_console.is_terminal:
+        with err_console.status(text) as st:
+            yield st
+    else:
+        yield _LineStatus(text)
+
+
+class _LineStatus:
+    def __init__(self, text: str):
+        import time
+
+        self.t0 = time.monotonic()
+        self.update(text)
+
+    def update(self, text: str) -> None:
+        import sys
+        import time
+
+        print(f"{text} [{time.monotonic() - self.t0:.0f} s]", file=sys.stderr, flush=True)
+
+
+def _log_progress_class():
+    import sys
+    import time
+
+    from rich.progress import Progress
+
+    class LogProgress(Progress):
+        """Progress for a console that is no terminal: one line per change of text, or every ``EVERY`` s."""
+
+        EVERY = 15.0
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self._said: dict = {}
+
+        def add_task(self, *a, **k):
+            task_id = super().add_task(*a, **k)
+            self._say(task_id)
+            return task_id
+
+        def update(self, task_id, **kw):
+            super().update(task_id, **kw)
+            self._say(task_id)
+
+        def advance(self, task_id, advance: float = 1) -> None:
+            super().advance(task_id, advance)
+            self._say(task_id)
+
+        def _say(self, task_id) -> None:
+            t = self._tasks.get(task_id)
+            if t is None:
+                return
+            now = time.monotonic()
+            text, when = self._said.get(task_id, (None, float("-inf")))
+            if t.description == text and now - when < self.EVERY and not t.finished:
+                return
+            self._said[task_id] = (t.description, now)
+            total = f"/{t.total:g}" if t.total is not None else ""
+            print(f"{t.description} {t.completed:g}{total} [{t.elapsed or 0.0:.0f} s]", file=sys.stderr, flush=True)
+
+    return LogProgress
 
 
 KV_ATTENTION_HELP = ("How quantized KV (--kv-bits) is read at decode: 'mlx-lm' (its two quantized matmuls; exact "

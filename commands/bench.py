@@ -9,7 +9,7 @@ from typing import Optional
 
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, progress
+from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, progress, status
 
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
@@ -153,7 +153,7 @@ def load(
             ds = L.jsonl_dataset(dataset, default_max_tokens=output_len)
         else:
             ds = L.random_dataset(tok, max(1, int(rate * duration * 2)), input_len, output_len, vocab)
-        with console.status(f"open loop: {rate}/s for {duration}s ..."):
+        with status(f"open loop: {rate}/s for {duration}s ..."):
             res = asyncio.run(L.run_load(base_url, str(path), ds, rate=rate, burstiness=burstiness, duration=duration,
                                          ignore_eos=ignore_eos, api_key=api_key))
         s = L.summarize(res)
@@ -285,9 +285,9 @@ def engine(
     except ValueError:
         raise ValidationError(f"--batches {batches!r}: give comma-separated integers, e.g. 1,2,4,8") from None
     m, tok, spec, path = load_model(model, dtype)
-    with console.status("benchmarking ...") as status:
+    with status("benchmarking ...") as st:
         res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
-                  progress=lambda s: status.update(f"benchmarking: {s}"))
+                  progress=lambda s: st.update(f"benchmarking: {s}"))
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")

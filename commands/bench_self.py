@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console
+from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
 from mlxb.commands.bench import app
 
 
@@ -62,9 +62,9 @@ def spec_bench(
     m, tok, mspec, path = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
                      draft_model, dtype, spec_max_batch, adaptive=not spec_fixed)
-    with console.status("benchmarking ...") as status:
+    with status("benchmarking ...") as st:
         res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
-                  repeats=repeats, progress=lambda s: status.update(f"benchmarking: {s}"))
+                  repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"))
     what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")
     t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
     for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance"):
@@ -102,12 +102,12 @@ def kv(
     bits, bs = _ints(kv_bits, "--kv-bits", "8,4"), _ints(batches, "--batches", "8,32")
     apply_kv_attention(kv_attention)
     m, tok, spec, path = load_model(model, dtype)
-    with console.status("benchmarking ...") as status:
+    with status("benchmarking ...") as st:
         try:
             res = run(m, tok, bits=bits, group_size=kv_group_size, batches=bs, context=context, gen=gen,
                       repeats=repeats, admit_context=admit_context, prefill_chunk=prefill_chunk,
                       kv_start=quantized_kv_start,
-                      progress=lambda s: status.update(f"benchmarking: {s}"))
+                      progress=lambda s: st.update(f"benchmarking: {s}"))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_group_size") from None
     t = Table(title=f"rows admitted under one --kv-budget at {admit_context} tokens — {spec.name}")
@@ -145,9 +145,9 @@ def lora_bench(
     bs = _ints(batches, "--batches", "8,32")
     spec = resolve_model(model)
     source = spec.source if spec.kind == "preset" else str(model_path(spec))
-    with console.status("benchmarking ...") as status:
+    with status("benchmarking ...") as st:
         res = run(source, adapters=adapters, rank=rank, batches=bs, context=context, gen=gen, repeats=repeats,
-                  progress=lambda s: status.update(f"benchmarking: {s}"))
+                  progress=lambda s: st.update(f"benchmarking: {s}"))
     t = Table(title=f"decode tok/s, {adapters} LoRA adapters (rank {rank}, random weights), {context}-token rows, "
                     f"same run — {spec.name}")
     for c in ("B", "base", "mixed", "one", "fused", "mixed/base (min med max)", "one/fused (min med max)"):
@@ -188,9 +188,9 @@ def tp_bench(
     if link.rank != 0:
         raise typer.Exit(run_follower(sharded, link))
     full = load_model(model, dtype)[0]
-    with console.status("benchmarking ...") as status:
+    with status("benchmarking ...") as st:
         res = run(full, sharded, tok, link, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats,
-                  prefill_len=prefill_len, progress=lambda s: status.update(f"benchmarking: {s}"))
+                  prefill_len=prefill_len, progress=lambda s: st.update(f"benchmarking: {s}"))
     res["allreduce"] = cost
     t = Table(title=f"mlxb bench tp — {spec.name}, TP={tp} vs one device (ratio = TP{tp} / TP1)")
     for c in ("metric", "B", f"TP{tp} (median)", "TP1 (median)", "ratio min", "ratio median", "ratio max"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, cli_errors, console
+from mlxb.commands._common import DtypeOpt, cli_errors, console, status
 
 app = typer.Typer(help="List synthetic presets and aliases; build a preset as an mlx-lm folder.", invoke_without_command=True)
 
@@ -58,7 +58,7 @@ def build(
     spec = resolve_model(name, dtype)
     if spec.kind != "preset":
         raise ValidationError(f"{name!r} is not a synthetic preset; `mlxb models` lists them")
-    with console.status(f"building {name} ..."):
+    with status(f"building {name} ..."):
         path = write_folder(PRESETS[name], out, spec.dtype) if out else ensure_preset(PRESETS[name], spec.dtype)
     console.print(f"[green]built[/] {name} ({spec.dtype}) at {path}")
 
@@ -79,7 +79,7 @@ def build_adapter(
     from mlxb.models.adapters import build_adapter as write
     from mlxb.models.registry import load_model
 
-    with console.status(f"building adapter {name} ..."):
+    with status(f"building adapter {name} ..."):
         m, *_ = load_model(base, lazy=True)
         path = write(m, out, rank=rank, num_layers=num_layers, scale=scale, seed=seed)
     console.print(f"[green]built[/] adapter {name} (rank {rank}, random weights) for {base} at {path}")
