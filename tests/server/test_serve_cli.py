@@ -137,7 +137,7 @@ def _catches(pid: int, sig) -> bool:
 def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code):
     proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "generate", "-p", "hi", "-k", "8", "--batch",
                              "8", "-n", "4000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ))
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     t0 = time.monotonic()
     while not _catches(proc.pid, signal.SIGTERM):  # the command's handler is in place (Linux: /proc)
         assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stderr.read()
@@ -145,6 +145,12 @@ def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(
     time.sleep(4)  # model loaded, rows decoding (8 rows of 4000 tokens take far longer)
     assert proc.poll() is None
     proc.send_signal(sig)
-    assert proc.wait(timeout=30) == code
+    try:
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # a hang: SIGABRT makes faulthandler print every thread's stack
+        proc.send_signal(signal.SIGABRT)
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"no exit 30 s after {sig!r}; threads at the hang:\n{err[-6000:]}")
+    assert rc == code
     err = proc.stderr.read() + proc.stdout.read()
     assert "interrupted" in err and not any(m in err for m in CRASH_MARKS), err[-3000:]

@@ -23,6 +23,9 @@ LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend
 MLXB = [sys.executable, "-m", "mlxb.commands.main"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RANK")}
 
+# two processes sharing two cores: 20-50 s each; the slow job runs them (pytest -m slow, .ci/run runs both jobs)
+SLOW = pytest.mark.slow
+
 
 def _json(out: str) -> dict:
     return json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
@@ -58,6 +61,7 @@ def test_tp2_parity_catches_a_planted_bug():
     assert divs and any(x["what"] == "token" for x in divs)
 
 
+@SLOW
 def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
     """The lora case (adapters 0, none, 1 across joining rows) sharded against mlx-lm's LoRA layers."""
     def run(*extra):
@@ -73,6 +77,7 @@ def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
     assert not bad["ok"] and any(row["first_divergence"] for r in bad["results"] for row in r["rows"])
 
 
+@SLOW
 @pytest.mark.parametrize("fault", [None, "spec_rollback_off_by_one"])
 def test_tp2_parity_spec_case_verify_steps_on_every_rank(fault):
     """Speculation sharded: rank 0 proposes and decides, every rank runs the same [B, 1 + W] verify
@@ -90,6 +95,7 @@ def test_tp2_parity_spec_case_verify_steps_on_every_rank(fault):
     assert [(r["case"], r["steps"]) for r in d["results"]] == [("tiny-llama spec-b1", 26), ("tiny-llama spec-b4", 89)]
 
 
+@SLOW
 @pytest.mark.parametrize("model,fault", [("tiny-llama", None), ("tiny-qwen3.5", None), ("tiny-llama", "prefix_off_by_one")])
 def test_tp2_parity_prefix_case_prompt_cache_mirrored_on_every_rank(model, fault):
     """The prefix case sharded: multi-turn reuse, a leader's snapshot continued by a cohort, cached
@@ -230,6 +236,7 @@ def _stop(proc) -> str:
     return proc.stdout.read()
 
 
+@SLOW
 def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
     """--tp 2 with the SSD tier: a graceful stop writes each rank's shard of every RAM entry under the same
     name in its own folder; a restart of both ranks serves the shared system prompt from disk with the
@@ -271,6 +278,7 @@ def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
             proc.kill()
 
 
+@SLOW
 def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path):
     """Two adapters and the base, concurrent, at --tp 2: each rank holds its part of the factors (a
     sharded-to-all layer sums x @ A over the ranks); the text equals one process with the same adapters."""
@@ -338,6 +346,7 @@ def test_tp_refusals_name_the_fix(args, launched, needle):
         assert p.returncode != 0
 
 
+@SLOW
 @pytest.mark.parametrize("proposer", [["--spec", "lookup"], ["--draft-model", "tiny-llama", "--spec-fixed"]])
 def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
     """--spec lookup, and a draft model (unsharded, on rank 0 only; here the target itself), at --tp 2:
