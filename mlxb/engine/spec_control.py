@@ -70,7 +70,9 @@ class StepCost:
     ones, host wait included. Steady plain steps only: a step that read the pipeline early to look for
     drafts and found none, and the two steps that refill the pipeline after a verify step, wait for a
     whole forward and would make a verify step look cheap (measured on the H200: 22 ms such steps against
-    7.5 ms steady ones at B=8 put the ratio at 1.0 where it is 2)."""
+    7.5 ms steady ones at B=8 put the ratio at 1.0 where it is 2). What those steps take beyond a steady
+    one is charged to the verify step before them: a verify step between plain ones breaks the pipeline,
+    and that is part of its price (a verify step right after another pays no refill)."""
 
     PROBE = 128  # plain steps after which one verify step runs anyway: a stale high cost is measured again
     REFILL = 2  # plain steps after a verify step (or an early read) that are not steady
@@ -103,12 +105,15 @@ class StepCost:
         if verify:
             if self.stale_at(rows):  # a probe: the old verify costs are what it re-measures
                 ver.clear()
-            ver.append(seconds)
+            ver.append([seconds, 0.0, 0])  # its own time, then the unsteady plain steps after it: sum, count
             self.since[b], self.refill = 0, self.REFILL
             return
         self.since[b] = self.since.get(b, 0) + 1
         if steady and self.refill == 0:
             plain.append(seconds)
+        elif ver:  # a refill step, or one that read the pipeline early: charged to the last verify step
+            ver[-1][1] += seconds
+            ver[-1][2] += 1
         self.refill = self.REFILL if not steady else max(0, self.refill - 1)
 
     def clear(self) -> None:
@@ -127,7 +132,9 @@ class StepCost:
         plain = (flat or plain) if aligned else (plain or flat)
         if not plain or not ver:
             return MIN_GAIN
-        return min(max(statistics.median(ver) / statistics.median(plain), 1.0), 33.0)
+        p = statistics.median(plain)
+        cost = statistics.median(v + max(0.0, extra - n * p) for v, extra, n in ver)
+        return min(max(cost / p, 1.0), 33.0)
 
     def penalty_at(self, rows: int) -> float:
         """What a masked plain step costs over an aligned one (``MASK_PENALTY`` until both were seen)."""
@@ -165,9 +172,12 @@ def pays(r) -> bool:
     """A verify step is taken by the whole batch: every row pays its cost (``StepCost``), while only the
     speculating rows gain more than one token. Worth it when the rows' expected tokens per step, a
     speculating row's 1 + alpha + ... + alpha^k and every other row's 1, average at least the measured
-    cost in plain steps, or the measured cost is stale (with --spec-fixed: always). An aligned batch
-    would pay the mask on every later step: there a row counts only with evidence of its acceptance
-    (verify steps or shadow drafts, not the starting guess), the cost is over the aligned step and
+    cost in plain steps, or the measured cost is stale (with --spec-fixed: always). In a batch of more
+    than one row a row counts only with evidence of its acceptance (verify steps or shadow drafts, not
+    the starting guess): every row pays for a probe at the guess, and on a 2-core CPU such probes with
+    random prompts cost B=8 a fifth of its speed (0.79x) before the first cost was measured; a lone row
+    still probes at the guess (shadow drafts settle a few steps later). An aligned batch would pay the
+    mask on every later step: there the cost is over the aligned step and
     includes the mask's; a stale cost is not a probe there but counts as ``MIN_GAIN`` (measured on the
     H200, synth-llama-8b, B=8: probes at the starting guess turned an aligned batch masked and held it
     at 0.65x plain; with no probe at all, a first verify step's compile time kept the bar shut)."""
@@ -175,7 +185,7 @@ def pays(r) -> bool:
         return True
     n, cost, flat = len(r.rows), r.step_cost, aligned(r)
     total = sum(gain(row.spec) if row.spec is not None and row.spec.cooldown == 0
-                and (row.spec.evidence or not flat) else 1.0 for row in r.rows)
+                and (row.spec.evidence or (n == 1 and not flat)) else 1.0 for row in r.rows)
     if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty
         bar = (MIN_GAIN if cost.stale_at(n) else cost.ratio_at(n, True)) * cost.penalty_at(n)
         return total >= bar * n

@@ -137,6 +137,9 @@ def _warm_verify(engine, mechanism: str, max_iterations: int = 80) -> int:
         for _ in range(max_iterations):
             if not engine._live:
                 break
+            for row in r.rows:  # a batch speculates only on evidence of acceptance: warm-up has none
+                if row.spec is not None:
+                    row.spec.evidence = max(1, row.spec.evidence)
             engine.iterate()
         for live in engine._live.values():
             live.cancelled = True

@@ -31,7 +31,8 @@ def test_pauses_follow_the_verify_cost_measured_on_this_machine():
 def test_the_verify_cost_counts_steady_plain_steps_per_batch_size():
     """Plain steps that wait for a whole forward (the two refilling the pipeline after a verify step, one
     that read the pipeline early and found no drafts) are not what a plain step costs: counted, they made
-    a verify step look free on the H200. And a verify step's cost at B=8 says nothing about B=1."""
+    a verify step look free on the H200. What they take beyond a steady step is the verify step's: it
+    broke the pipeline. And a verify step's cost at B=8 says nothing about B=1."""
     from mlxb.engine.spec import MIN_GAIN, StepCost
 
     cost = StepCost()
@@ -44,12 +45,22 @@ def test_the_verify_cost_counts_steady_plain_steps_per_batch_size():
         cost.observe(False, 0.022, rows=8)
         for _ in range(3):
             cost.observe(False, 0.0075, rows=8)
-    assert abs(cost.ratio_at(8) - 2.0) < 1e-9 and abs(cost.ratio_at(7) - 2.0) < 1e-9
+    charged = (0.015 + 0.003 + 4 * 0.022 - 5 * 0.0075) / 0.0075  # 9.1 steady plain steps, not 2
+    assert abs(cost.ratio_at(8) - charged) < 1e-9 and abs(cost.ratio_at(7) - charged) < 1e-9
     assert cost.ratio_at(1) == MIN_GAIN and cost.ratio_at(16) == MIN_GAIN
     cost.observe(True, 0.011, rows=1)
     for _ in range(StepCost.REFILL + 2):
-        cost.observe(False, 0.005, rows=1)
-    assert abs(cost.ratio_at(1) - 2.2) < 1e-9 and abs(cost.ratio_at(8) - 2.0) < 1e-9
+        cost.observe(False, 0.005, rows=1)  # refill steps as fast as steady ones: nothing charged
+    assert abs(cost.ratio_at(1) - 2.2) < 1e-9 and abs(cost.ratio_at(8) - charged) < 1e-9
+    back = StepCost()  # verify steps back to back pay no refill; the one before plain steps does
+    for _ in range(4):
+        back.observe(True, 0.015, rows=8)
+    for dt in (0.022, 0.022, 0.0075, 0.0075, 0.0075):
+        back.observe(False, dt, rows=8)
+    assert abs(back.ratio_at(8) - 2.0) < 1e-9
+    for dt in (0.015, 0.022, 0.022, 0.0075):
+        back.observe(dt == 0.015, dt, rows=8)
+    assert abs(back.ratio_at(8) - 2.0) < 1e-9  # median of verify costs 2, 2, 2, 5.9, 5.9
 
 
 def test_a_row_whose_draft_length_fell_can_still_clear_the_bar():
@@ -83,7 +94,7 @@ def test_a_verify_step_runs_only_when_the_whole_batch_gains():
     cost.observe(True, 0.009, rows=1)
     for _ in range(StepCost.REFILL + 1):
         cost.observe(False, 0.005, rows=1)
-    good = lambda: NS(spec=RowSpec(4, 4, alpha=0.8))  # noqa: E731
+    good = lambda: NS(spec=RowSpec(4, 4, alpha=0.8, evidence=2))  # noqa: E731
     one = NS(spec=SpecConfig(), rows=[good()] + [NS(spec=None) for _ in range(7)], step_cost=cost)
     eight = NS(spec=SpecConfig(), rows=[good() for _ in range(8)], step_cost=cost)
     alone = NS(spec=SpecConfig(), rows=[good()], step_cost=cost)
@@ -140,7 +151,8 @@ def test_shadow_drafts_measure_acceptance_without_a_verify_step():
 def test_an_aligned_batch_speculates_only_on_evidence():
     """An aligned batch (no mask on its steps) loses that with its first verify step: fresh rows (the
     starting guess only) do not open the bar there, rows with measured high acceptance do, and the bar
-    includes what a masked step costs over an aligned one. A padded batch still probes at the guess."""
+    includes what a masked step costs over an aligned one. A padded batch waits for evidence too (every
+    row would pay for a probe at the guess); a lone row probes at the guess."""
     from types import SimpleNamespace as NS
 
     from mlxb.engine.spec import RowSpec, StepCost, pays
@@ -157,7 +169,16 @@ def test_an_aligned_batch_speculates_only_on_evidence():
     r = NS(spec=SpecConfig(), rows=fresh, step_cost=cost, merged=True, _geo_layer=0, caches=[layer])
     assert not pays(r)  # guess 2.77 tokens a row, but no evidence
     layer.aligned = False
-    assert pays(r)  # padded: the mask is paid anyway, the guess may probe (2.77 >= 1.6)
+    assert not pays(r)  # padded: the mask is paid anyway, but eight rows would pay for a guess
+    cost.observe(True, 0.016, rows=1)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.008, rows=1)
+    assert pays(NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4))], step_cost=cost, merged=False))  # 2.77 >= 2
+    for row in fresh:
+        row.spec.learn(4, 3)  # alpha 0.72 measured: 2.9 tokens against 1.6 padded
+    assert pays(r)
+    for row in fresh:
+        row.spec.alpha, row.spec.evidence = 0.7, 0
     layer.aligned = True
     for row in fresh:
         row.spec.learn(4, 2)  # alpha 0.62: 2.39 tokens, under 2.0 x 1.25
