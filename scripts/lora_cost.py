@@ -65,13 +65,20 @@ def main():
         "take+matmul fp32": lambda: (xin @ mx.take(a, ids, axis=0)) @ mx.take(b, ids, axis=0),
         "take+matmul bf16": lambda: (xin @ mx.take(A16, ids, axis=0)) @ mx.take(B16, ids, axis=0),
     }
+    if getattr(m, "_stacked", False):  # the stacked path: every adapter's shrink at once, a row mask, addmm
+        ctx.set([i % 4 for i in range(B)])
+        y0, M = m.base(xin), ctx.mask(m._dt)
+        mx.eval(y0, M)
+        ops["stacked mixed (3 ops)"] = lambda: mx.addmm(y0, (xin @ m._a_cat) * M, m._b_cat)
+        ops["stacked one (2 ops)"] = lambda: mx.addmm(y0, xin @ m._one[0][0], m._one[0][1])
     for k, f in ops.items():
         try:
             print(f"op {k:22s}: {timed(lambda: mx.eval(f()), 100) * 1000:.1f} us", flush=True)
         except Exception as e:  # e.g. the CPU's gather_mm is float32-only
             print(f"op {k:22s}: failed: {e}", flush=True)
     n_lora = sum(1 for _, mod in model.named_modules() if type(mod).__name__ == "MultiLoRALinear")
-    print(f"LoRA projections: {n_lora}; dtype of factors {a.dtype}, base {xin.dtype}, {mx.default_device()}")
+    print(f"LoRA projections: {n_lora}; dtype of factors {a.dtype}, base {xin.dtype}, {mx.default_device()}; "
+          f"stacked path: {getattr(m, '_stacked', False)}")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,9 @@ class LoRAContext:
         self.scales: list[float] = [20.0] * len(names)  # each adapter's lora_parameters.scale
         self.ids: Optional[mx.array] = None
         self.one: Optional[int] = None
+        self.rank = 0  # every adapter's factors padded to this rank (install)
+        self._slots: list[int] = []
+        self._masks: dict = {}
 
     def stats(self) -> dict:
         return {"adapters": [{"name": n, "path": self.paths.get(n), "scale": s, "sha256": d}
@@ -80,6 +83,21 @@ class LoRAContext:
         self.row_scale = mx.array([self.scales[s] if s >= 0 else 0.0 for s in slots], dtype=mx.float32)
         # every row with the same adapter: no gather, one adapter's factors (mlx-lm's LoRALinear exactly)
         self.one = slots[0] if slots and slots[0] >= 0 and all(s == slots[0] for s in slots) else None
+        self._slots, self._masks = slots, {}
+
+    def mask(self, dtype) -> mx.array:
+        """[rows, 1, adapters * rank]: each row's scale over its adapter's block of the stacked factors,
+        zero elsewhere (the stacked path's selector; built once per forward and dtype)."""
+        m = self._masks.get(dtype)
+        if m is None:
+            import numpy as np
+
+            r, host = self.rank, np.zeros((len(self._slots), 1, len(self.names) * self.rank), dtype=np.float32)
+            for i, s in enumerate(self._slots):
+                if s >= 0:
+                    host[i, 0, s * r : (s + 1) * r] = self.scales[s]
+            m = self._masks[dtype] = mx.array(host).astype(dtype)
+        return m
 
 
 class MultiLoRALinear(nn.Module):
@@ -91,8 +109,24 @@ class MultiLoRALinear(nn.Module):
         self.lora_a, self.lora_b, self.lora_scale = a, b, scale  # [n, in, r], [n, r, out], [n]
         self._scales = [float(v) for v in scale.tolist()]
         self._each = [(a[i], b[i]) for i in range(a.shape[0])]  # one adapter's factors: views, sliced once
-        self._gather = not (mx.cuda.is_available() and mx.default_device() == mx.gpu)  # decode path (below)
+        cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+        self._gather = not cuda  # the exact decode path (below)
+        self._stacked = _stacked_wanted(cuda, a.shape[0] * a.shape[2], b.shape[2])
+        if self._stacked:  # all adapters' factors side by side, in the base's dtype, each one's B scaled
+            n, d_in, r = a.shape
+            dt = _compute_dtype(base)
+            self._dt = dt
+            self._a_cat = a.transpose(1, 0, 2).reshape(d_in, n * r).astype(dt)
+            self._b_cat = b.reshape(n * r, b.shape[2]).astype(dt)
+            self._one = [(a[i].astype(dt), (self._scales[i] * b[i]).astype(dt)) for i in range(n)]
         self.freeze()
+
+    def tensors(self) -> list:
+        """Arrays made here that are no module parameters (evaluated at install, on the loading thread)."""
+        out = [t for pair in self._each for t in pair]
+        if self._stacked:
+            out += [self._a_cat, self._b_cat] + [t for pair in self._one for t in pair]
+        return out
 
     def __call__(self, x):
         y = self.base(x)
@@ -102,6 +136,8 @@ class MultiLoRALinear(nn.Module):
         if ids.shape[0] != x.shape[0]:
             raise RuntimeError(f"LoRA slots for {ids.shape[0]} rows, forward over {x.shape[0]}")
         one = self._ctx.one
+        if self._stacked and x.dtype == self._dt:
+            return self._stacked_delta(x, y, one)
         if one is not None:
             a, b = self._each[one]
             return y + _as(self._scales[one] * (self._sum(x @ a) @ b), x.dtype)
@@ -117,8 +153,36 @@ class MultiLoRALinear(nn.Module):
         return y + _as(s * z, x.dtype)
 
 
+    def _stacked_delta(self, x, y, one):
+        """Three ops per projection, whatever the mix: ``x @ A_all`` (every adapter's shrink at once),
+        times the rows' mask, added through ``addmm`` with ``B_all``; one op less when every row uses
+        one adapter. Not mlx-lm's rounding (factors in the base's dtype, the scale folded into B), so
+        it is the CUDA default only, where per-op cost dominates a decode step (the exact path took
+        about nine ops per projection there) and where the batched LoRA matmuls were not bit-exact
+        anyway; ``MLXB_LORA_PATH=exact`` restores the exact path."""
+        if one is not None:
+            a, b = self._one[one]
+            return mx.addmm(y, self._sum(x @ a), b)
+        return mx.addmm(y, self._sum(x @ self._a_cat) * self._ctx.mask(self._dt), self._b_cat)
+
     def _sum(self, xa: mx.array) -> mx.array:
         return xa if self._group is None else mx.distributed.all_sum(xa, group=self._group)
+
+
+def _compute_dtype(base):
+    return base.scales.dtype if hasattr(base, "scales") else base.weight.dtype
+
+
+def _stacked_wanted(cuda: bool, stacked_rank: int, out_dim: int) -> bool:
+    """The stacked path (``MultiLoRALinear._stacked_delta``): ``MLXB_LORA_PATH`` = exact | stacked | auto
+    (default: stacked on CUDA while all adapters' ranks together stay under a quarter of the layer's
+    outputs, so the extra factor reads stay small against the base weight's)."""
+    import os
+
+    want = os.environ.get("MLXB_LORA_PATH", "auto")
+    if want not in ("auto", "exact", "stacked"):
+        raise ValidationError(f"MLXB_LORA_PATH={want!r}: use exact, stacked or auto")
+    return want == "stacked" or (want == "auto" and cuda and 4 * stacked_rank <= out_dim)
 
 
 def _as(z: mx.array, dtype) -> mx.array:
@@ -196,6 +260,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     mx.eval(model.parameters())
     # NOTE: the per-adapter views too, here: an array left lazy on this thread's stream cannot be
     # evaluated later on the engine thread ("There is no Stream(cpu, 0) in current thread")
-    mx.eval([t for _, m in swaps for pair in m._each for t in pair])
+    mx.eval([t for _, m in swaps for t in m.tensors()])
+    ctx.rank = r
     model.mlxb_lora = ctx  # the engine's runner finds it here
     return ctx

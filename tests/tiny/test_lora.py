@@ -39,13 +39,13 @@ def reference(prompt, path):
     return out
 
 
-def run_batch(model, tok, rows, faults_swap=False):
+def run_batch(model, tok, rows, faults=frozenset()):
     captured: dict = {}
 
     def capture(rid, step, token, vec, geo):
         captured.setdefault(rid, []).append((token, np.array(vec)))
 
-    eng = Engine(model, tok, max_batch=3, prefill_chunk=16, capture=capture)
+    eng = Engine(model, tok, max_batch=3, prefill_chunk=16, capture=capture, faults=faults)
     pending, k = list(enumerate(rows)), 0
     while pending or eng._live:
         for i, (prompt, slot, arrive) in list(pending):
@@ -85,3 +85,42 @@ def test_install_refuses_what_it_cannot_serve(adapters, tmp_path):
         install(model, [read_adapter("x", adapters["x"])], max_rank=4)
     with pytest.raises(ValidationError, match="not an mlx-lm adapter folder"):
         read_adapter("nope", tmp_path)
+
+
+def test_stacked_path_gives_each_row_its_own_adapter(adapters, monkeypatch):
+    """The stacked path (CUDA's default: every adapter's shrink at once, a per-row mask, addmm) keeps
+    each row on its own adapter: tokens equal mlx-lm alone with that adapter, logprobs within float32
+    rounding (other summation order, scale folded into B). Rows shifted by one slot (the planted
+    fault) no longer do."""
+    monkeypatch.setenv("MLXB_LORA_PATH", "stacked")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, 8000, size=n).tolist() for n in (17, 11, 25)]
+    model, tok, *_ = load_model("tiny-llama")
+    install(model, [read_adapter("x", adapters["x"]), read_adapter("y", adapters["y"])])
+    mods = [m for _, m in model.named_modules() if type(m).__name__ == "MultiLoRALinear"]
+    assert mods and all(m._stacked for m in mods)
+    rows = [(prompts[0], 0, 0), (prompts[1], 1, 0), (prompts[2], -1, 1)]
+    ours = run_batch(model, tok, rows)
+    paths = {0: adapters["x"], 1: adapters["y"], -1: None}
+    worst = 0.0
+    for (prompt, slot, _), got in zip(rows, ours):
+        ref = reference(prompt, paths[slot])
+        assert [t for t, _ in got] == [t for t, _ in ref]
+        worst = max(worst, max(float(np.abs(a.reshape(-1) - b.reshape(-1)).max()) for (_, a), (_, b) in zip(got, ref)))
+    assert worst < 1e-3, worst
+    # the planted fault: every row's slot shifted by one, so rows take their neighbour's adapter
+    shifted = run_batch(model, tok, rows[:2], faults=frozenset({"lora_shift"}))
+    ref0 = reference(prompts[0], paths[0])
+    assert [t for t, _ in shifted[0]] != [t for t, _ in ref0] or max(
+        float(np.abs(a.reshape(-1) - b.reshape(-1)).max()) for (_, a), (_, b) in zip(shifted[0], ref0)) > 1e-2
+
+
+def test_stacked_mask_puts_each_rows_scale_on_its_adapters_block():
+    from mlxb.engine.lora import LoRAContext
+
+    ctx = LoRAContext(["a", "b", "c"])
+    ctx.scales, ctx.rank = [2.0, 3.0, 5.0], 2
+    ctx.set([2, -1, 0])
+    m = np.array(ctx.mask(mx.float32))
+    assert m.shape == (3, 1, 6)
+    assert m[0, 0].tolist() == [0, 0, 0, 0, 5, 5] and m[1, 0].tolist() == [0] * 6 and m[2, 0].tolist() == [2, 2, 0, 0, 0, 0]
