@@ -107,7 +107,10 @@ def kv(
             res = run(m, tok, bits=bits, group_size=kv_group_size, batches=bs, context=context, gen=gen,
                       repeats=repeats, admit_context=admit_context, prefill_chunk=prefill_chunk,
                       kv_start=quantized_kv_start,
-                      progress=lambda s: st.update(f"benchmarking: {s}"))
+                      progress=lambda s: st.update(f"benchmarking: {s}"),
+                      on_row=lambda r: console.print(f"B={r['B']} {r['scheme']} repeat {r['repeat'] + 1}: full width "
+                                                     f"{r['full_tps']:.1f} tok/s, {r['scheme']} {r['quant_tps']:.1f} tok/s, "
+                                                     f"{r['ratio']:.3f}x", highlight=False))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_group_size") from None
     t = Table(title=f"rows admitted under one --kv-budget at {admit_context} tokens — {spec.name}")

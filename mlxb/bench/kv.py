@@ -60,7 +60,9 @@ def _decode_tps(engine: Engine, prompts: list[list[int]], gen: int, chunk: int, 
 
 
 def run(model, tokenizer, *, bits=(8, 4), group_size: int = 64, batches=(8, 32), context: int = 1024, gen: int = 64,
-        repeats: int = 2, admit_context: int = 4096, prefill_chunk: int = 2048, kv_start: int = 0, progress: Optional[Callable[[str], None]] = None) -> dict:
+        repeats: int = 2, admit_context: int = 4096, prefill_chunk: int = 2048, kv_start: int = 0, progress: Optional[Callable[[str], None]] = None,
+        on_row: Optional[Callable[[dict], None]] = None) -> dict:
+    """``on_row`` gets each repeat's measurement as it is taken, so a run cut short still tells what it had."""
     say = progress or (lambda s: None)
     vocab = int(getattr(model.args, "vocab_size", 8192))
     rng = np.random.default_rng(0)
@@ -92,6 +94,8 @@ def run(model, tokenizer, *, bits=(8, 4), group_size: int = 64, batches=(8, 32),
                                       _decode_tps(engines[k], ps, gen, prefill_chunk), _decode_tps(full, ps, gen, prefill_chunk))
                     rows.append({"B": B, "scheme": k, "repeat": rep, "full_tps": (f1 + f2) / 2, "quant_tps": (q1 + q2) / 2,
                                  "ratio": (q1 + q2) / (f1 + f2)})
+                    if on_row is not None:
+                        on_row(rows[-1])
     finally:
         for e in engines.values():
             e.shutdown()
