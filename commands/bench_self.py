@@ -139,6 +139,7 @@ def lora_bench(
     context: int = typer.Option(256, "--context", min=1),
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
+    lora_path: Optional[str] = typer.Option(None, "--lora-path", help="exact | stacked | auto (as mlxb serve --lora-path)."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """LoRA per row on our engine: N adapters mixed vs the base, one adapter vs mlx-lm's fused model (ratios)."""
@@ -150,7 +151,7 @@ def lora_bench(
     source = spec.source if spec.kind == "preset" else str(model_path(spec))
     with status("benchmarking ...") as st:
         res = run(source, adapters=adapters, rank=rank, batches=bs, context=context, gen=gen, repeats=repeats,
-                  progress=lambda s: st.update(f"benchmarking: {s}"))
+                  progress=lambda s: st.update(f"benchmarking: {s}"), lora_path=lora_path)
     t = Table(title=f"decode tok/s, {adapters} LoRA adapters (rank {rank}, random weights), {context}-token rows, "
                     f"same run — {spec.name}")
     for c in ("B", "base", "mixed", "one", "fused", "mixed/base (min med max)", "one/fused (min med max)"):

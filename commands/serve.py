@@ -45,6 +45,7 @@ def serve(
     adapters: Optional[list[str]] = typer.Option(None, "--adapters", help="LoRA adapters (mlx-lm adapter folders) over the base, chosen per request: NAME=PATH[,NAME=PATH...] (repeatable). Requests pick one with model 'BASE:NAME' or mlx-lm's 'adapters' field; rows of different adapters decode in one batch."),
     max_loras: Optional[int] = typer.Option(None, "--max-loras", min=1, help="Refuse to start with more adapters than this."),
     max_lora_rank: Optional[int] = typer.Option(None, "--max-lora-rank", min=1, help="Refuse to start with an adapter of a higher rank."),
+    lora_path: Optional[str] = typer.Option(None, "--lora-path", help="How per-row LoRA is computed: exact (mlx-lm's LoRALinear math, bit-exact), stacked (all adapters' factors side by side in the base's dtype: 3 ops per projection, not bit-exact) or auto (stacked on CUDA, exact elsewhere). Default: $MLXB_LORA_PATH or auto."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel over N processes started by mlx.launch (ring on CPUs/Macs, nccl on CUDA GPUs); every rank runs this same command. See the README."),
     tp_timeout: float = typer.Option(60.0, "--tp-timeout", min=1.0, help="--tp: a mirrored step (a prefill chunk or a decode step) that takes longer than this marks the server failed (/health 503) and exits it (code 70): a rank died or hung. Above your slowest prefill chunk. An idle server notices within 3 s."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
@@ -53,18 +54,22 @@ def serve(
     import uvicorn
 
     from mlxb.engine.build import build_gateway
+    from mlxb.engine.lora import LORA_PATHS
+    from mlxb.errors import ValidationError
     from mlxb.server.app import create_app
 
     budget = parse_bytes(kv_budget, "--kv-budget") if kv_budget else None
     apply_kv_attention(kv_attention)
     lora = parse_adapters(adapters)
+    if lora_path is not None and lora_path not in LORA_PATHS:
+        raise ValidationError(f"--lora-path {lora_path!r}: use one of {', '.join(LORA_PATHS)}", param="lora_path")
     pc_bytes = parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes") if prompt_cache_bytes else None
     pc_disk = parse_bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes") if prompt_cache_disk_bytes else None
     with status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
                            max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template,
                            warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes, adapters=lora,
-                           max_loras=max_loras, max_lora_rank=max_lora_rank,
+                           max_loras=max_loras, max_lora_rank=max_lora_rank, lora_path=lora_path,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
                            prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention, kv_bits=kv_bits,
                            kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config,

@@ -39,7 +39,8 @@ def _fused(source: str, folder: str):
 
 
 def run(source: str, *, adapters: int = 4, rank: int = 8, batches=(8, 32), context: int = 256, gen: int = 64,
-        repeats: int = 2, prefill_chunk: int = 2048, progress: Optional[Callable[[str], None]] = None) -> dict:
+        repeats: int = 2, prefill_chunk: int = 2048, progress: Optional[Callable[[str], None]] = None,
+        lora_path: Optional[str] = None) -> dict:
     from mlxb.engine.lora import install, read_adapter
     from mlxb.models.adapters import ensure_adapters
     from mlxb.models.registry import load_model
@@ -48,7 +49,7 @@ def run(source: str, *, adapters: int = 4, rank: int = 8, batches=(8, 32), conte
     folders = ensure_adapters(source, None, f"bench:{source}",
                               [{"seed": 100 + i, "rank": rank, "num_layers": -1} for i in range(adapters)])
     model, tok, *_ = load_model(source)
-    install(model, [read_adapter(f"a{i}", f) for i, f in enumerate(folders)])
+    ctx = install(model, [read_adapter(f"a{i}", f) for i, f in enumerate(folders)], lora_path=lora_path)
     fmodel, ftok = _fused(source, folders[0])
     # NOTE: warmed on this thread before they start, as `mlxb serve` does: on the H200 the lora engine's
     # first prefill on its fresh thread failed (mx.array from a list: "cudaMemcpy ... invalid argument")
@@ -89,6 +90,6 @@ def run(source: str, *, adapters: int = 4, rank: int = 8, batches=(8, 32), conte
                         **{f"{q}_{f.__name__}": f(r[q] for r in rs) for q in ("mixed_vs_base", "one_vs_fused")
                            for f in (min, statistics.median, max)}})
     return {"rows": rows, "summary": summary,
-            "config": {"adapters": adapters, "rank": rank, "batches": list(batches), "context": context, "gen": gen,
+            "config": {"lora_path": ctx.path, "adapters": adapters, "rank": rank, "batches": list(batches), "context": context, "gen": gen,
                        "repeats": repeats, "prefill_chunk": prefill_chunk, "model": source,
                        "window": "all rows decoding"}}

@@ -111,7 +111,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
                   spec_max_batch: int = 1, spec_fixed: bool = False, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
-                  max_lora_rank: Optional[int] = None, tp: int = 1, tp_timeout: float = 60.0,
+                  max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     link = tp_link(tp, batch=batch) if tp > 1 else None
@@ -137,7 +137,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
 
         if max_loras is not None and len(adapters) > max_loras:
             raise ValidationError(f"{len(adapters)} adapters given, above --max-loras {max_loras}", param="adapters")
-        install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank)
+        install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank, lora_path=lora_path)
     if (spec is not None or draft_model is not None) and (link is None or link.rank == 0):  # proposers: rank 0
         engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
                                        spec_max_batch, adaptive=not spec_fixed)

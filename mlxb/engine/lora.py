@@ -66,12 +66,14 @@ class LoRAContext:
         self.ids: Optional[mx.array] = None
         self.one: Optional[int] = None
         self.rank = 0  # every adapter's factors padded to this rank (install)
+        self.path = "exact"  # "stacked" where any projection takes the stacked path (install)
         self._slots: list[int] = []
         self._masks: dict = {}
 
     def stats(self) -> dict:
         return {"adapters": [{"name": n, "path": self.paths.get(n), "scale": s, "sha256": d}
-                             for n, s, d in zip(self.names, self.scales, self.digests)]}
+                             for n, s, d in zip(self.names, self.scales, self.digests)],
+                "lora_path": self.path}
 
     def slot(self, name: Optional[str]) -> int:
         return -1 if name is None else self.names.index(name)
@@ -101,7 +103,8 @@ class LoRAContext:
 
 
 class MultiLoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, ctx: LoRAContext, a: mx.array, b: mx.array, scale: mx.array, group=None):
+    def __init__(self, base: nn.Module, ctx: LoRAContext, a: mx.array, b: mx.array, scale: mx.array, group=None,
+                 path: Optional[str] = None):
         super().__init__()
         self.base = base
         self._ctx = ctx
@@ -111,7 +114,7 @@ class MultiLoRALinear(nn.Module):
         self._each = [(a[i], b[i]) for i in range(a.shape[0])]  # one adapter's factors: views, sliced once
         cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
         self._gather = not cuda  # the exact decode path (below)
-        self._stacked = _stacked_wanted(cuda, a.shape[0] * a.shape[2], b.shape[2])
+        self._stacked = _stacked_wanted(cuda, a.shape[0] * a.shape[2], b.shape[2], path)
         if self._stacked:  # all adapters' factors side by side, in the base's dtype, each one's B scaled
             n, d_in, r = a.shape
             dt = _compute_dtype(base)
@@ -173,16 +176,20 @@ def _compute_dtype(base):
     return base.scales.dtype if hasattr(base, "scales") else base.weight.dtype
 
 
-def _stacked_wanted(cuda: bool, stacked_rank: int, out_dim: int) -> bool:
-    """The stacked path (``MultiLoRALinear._stacked_delta``): ``MLXB_LORA_PATH`` = exact | stacked | auto
-    (default: stacked on CUDA while all adapters' ranks together stay under a quarter of the layer's
-    outputs, so the extra factor reads stay small against the base weight's)."""
+def _stacked_wanted(cuda: bool, stacked_rank: int, out_dim: int, path: Optional[str] = None) -> bool:
+    """The stacked path (``MultiLoRALinear._stacked_delta``)? ``path`` (``--lora-path``; when not given,
+    ``MLXB_LORA_PATH``, else auto) = exact | stacked | auto: auto takes it on CUDA while all adapters'
+    ranks together stay under a quarter of the layer's outputs, so the extra factor reads stay small."""
     import os
 
-    want = os.environ.get("MLXB_LORA_PATH", "auto")
-    if want not in ("auto", "exact", "stacked"):
-        raise ValidationError(f"MLXB_LORA_PATH={want!r}: use exact, stacked or auto")
+    want = path or os.environ.get("MLXB_LORA_PATH") or "auto"
+    if want not in LORA_PATHS:
+        raise ValidationError(f"LoRA path {want!r}: use one of {', '.join(LORA_PATHS)} (--lora-path or MLXB_LORA_PATH)",
+                              param="lora_path")
     return want == "stacked" or (want == "auto" and cuda and 4 * stacked_rank <= out_dim)
+
+
+LORA_PATHS = ("auto", "exact", "stacked")
 
 
 def _as(z: mx.array, dtype) -> mx.array:
@@ -217,9 +224,11 @@ def _shard_factors(path: str, base, kind: Optional[str], la: mx.array, lb: mx.ar
     return la[rank * have : (rank + 1) * have], lb
 
 
-def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None) -> LoRAContext:
+def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] = None,
+            lora_path: Optional[str] = None) -> LoRAContext:
     """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters (under
-    ``--tp``, on a sharded model: each rank keeps its part of the factors)."""
+    ``--tp``, on a sharded model: each rank keeps its part of the factors). ``lora_path``: exact | stacked |
+    auto (see ``_stacked_wanted``)."""
     ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
     ctx.scales = [a.scale for a in adapters]
     modules = dict(model.named_modules())
@@ -255,12 +264,13 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
                 B[i] = mx.pad(lb, [(0, r - lb.shape[0]), (0, 0)]) if lb.shape[0] < r else lb
         scale = mx.array([a.scale for a in adapters], dtype=mx.float32)
         swaps.append((path, MultiLoRALinear(base, ctx, mx.stack(A), mx.stack(B), scale,
-                                            group=base.group if kind == "in" else None)))
+                                            group=base.group if kind == "in" else None, path=lora_path)))
     model.update_modules(tree_unflatten(swaps))
     mx.eval(model.parameters())
     # NOTE: the per-adapter views too, here: an array left lazy on this thread's stream cannot be
     # evaluated later on the engine thread ("There is no Stream(cpu, 0) in current thread")
     mx.eval([t for _, m in swaps for t in m.tensors()])
     ctx.rank = r
+    ctx.path = "stacked" if any(m._stacked for _, m in swaps) else "exact"
     model.mlxb_lora = ctx  # the engine's runner finds it here
     return ctx

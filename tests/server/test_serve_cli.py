@@ -154,3 +154,10 @@ def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(
     assert rc == code
     err = proc.stderr.read() + proc.stdout.read()
     assert "interrupted" in err and not any(m in err for m in CRASH_MARKS), err[-3000:]
+
+
+def test_mlxb_serve_refuses_an_unknown_lora_path():
+    bad = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "serve", "--lora-path", "fast", "--port", "1"],
+                         capture_output=True, text=True, timeout=120)
+    out = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "--lora-path" in out and "stacked" in out and "Traceback" not in out

@@ -87,16 +87,15 @@ def test_install_refuses_what_it_cannot_serve(adapters, tmp_path):
         read_adapter("nope", tmp_path)
 
 
-def test_stacked_path_gives_each_row_its_own_adapter(adapters, monkeypatch):
+def test_stacked_path_gives_each_row_its_own_adapter(adapters):
     """The stacked path (CUDA's default: every adapter's shrink at once, a per-row mask, addmm) keeps
     each row on its own adapter: tokens equal mlx-lm alone with that adapter, logprobs within float32
     rounding (other summation order, scale folded into B). Rows shifted by one slot (the planted
     fault) no longer do."""
-    monkeypatch.setenv("MLXB_LORA_PATH", "stacked")
     rng = np.random.default_rng(4)
     prompts = [rng.integers(5, 8000, size=n).tolist() for n in (17, 11, 25)]
     model, tok, *_ = load_model("tiny-llama")
-    install(model, [read_adapter("x", adapters["x"]), read_adapter("y", adapters["y"])])
+    install(model, [read_adapter("x", adapters["x"]), read_adapter("y", adapters["y"])], lora_path="stacked")
     mods = [m for _, m in model.named_modules() if type(m).__name__ == "MultiLoRALinear"]
     assert mods and all(m._stacked for m in mods)
     rows = [(prompts[0], 0, 0), (prompts[1], 1, 0), (prompts[2], -1, 1)]
@@ -124,3 +123,23 @@ def test_stacked_mask_puts_each_rows_scale_on_its_adapters_block():
     m = np.array(ctx.mask(mx.float32))
     assert m.shape == (3, 1, 6)
     assert m[0, 0].tolist() == [0, 0, 0, 0, 5, 5] and m[1, 0].tolist() == [0] * 6 and m[2, 0].tolist() == [2, 2, 0, 0, 0, 0]
+
+
+def test_lora_path_choice_flag_over_environment(adapters, monkeypatch):
+    """``install(lora_path=...)`` (``--lora-path``) wins over MLXB_LORA_PATH; auto is exact off CUDA; an unknown
+    path is refused naming the choices; /stats reports the path taken."""
+    from mlxb.errors import ValidationError
+
+    monkeypatch.setenv("MLXB_LORA_PATH", "stacked")
+    model, *_ = load_model("tiny-llama")
+    ctx = install(model, [read_adapter("x", adapters["x"])], lora_path="exact")
+    assert ctx.path == "exact" and ctx.stats()["lora_path"] == "exact"
+    model, *_ = load_model("tiny-llama")
+    assert install(model, [read_adapter("x", adapters["x"])]).path == "stacked"  # from the environment
+    monkeypatch.delenv("MLXB_LORA_PATH")
+    model, *_ = load_model("tiny-llama")
+    on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    assert install(model, [read_adapter("x", adapters["x"])]).path == ("stacked" if on_cuda else "exact")
+    model, *_ = load_model("tiny-llama")
+    with pytest.raises(ValidationError, match="exact, stacked"):
+        install(model, [read_adapter("x", adapters["x"])], lora_path="fast")
