@@ -104,8 +104,9 @@ def _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, Gener
         for t in threads:
             t.start()
         if json_out:
-            for t in threads:
-                t.join()
+            for t in threads:  # bounded waits: a signal that Linux delivers to another thread only sets a
+                while t.is_alive():  # flag, which a main thread blocked in an untimed join never reads
+                    t.join(0.1)
         else:
             with Live(_table(state, gw, t0), console=console, refresh_per_second=8) as live:
                 while any(t.is_alive() for t in threads):

@@ -63,7 +63,12 @@ class OutputStream:
 
     def __iter__(self):
         while True:
-            item = self._q.get()
+            try:
+                # NOTE: a bounded wait: a SIGINT/SIGTERM that Linux delivers to another thread only sets
+                # Python's flag, and a main thread blocked without a timeout would never run its handler
+                item = self._q.get(timeout=0.2)
+            except queue.Empty:
+                continue
             if item is _END:
                 return
             yield self._text(item)

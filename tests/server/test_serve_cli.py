@@ -133,18 +133,36 @@ def _catches(pid: int, sig) -> bool:
     return bool(caught >> (int(sig) - 1) & 1)
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code):
-    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "generate", "-p", "hi", "-k", "8", "--batch",
-                             "8", "-n", "4000", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+def _to_other_threads(pid: int, sig) -> None:
+    """Deliver ``sig`` to one thread other than the main one (tgkill), as Linux may do with a
+    process-directed signal: Python's handler still has to run on the main thread."""
+    import ctypes
+
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert tids, "the command runs no worker threads"
+    assert ctypes.CDLL(None, use_errno=True).tgkill(pid, tids[-1], int(sig)) == 0
+
+
+@pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "process"), (signal.SIGTERM, 143, "process"),
+                                             (signal.SIGINT, 130, "worker"), (signal.SIGTERM, 143, "worker")])
+@pytest.mark.parametrize("json_out", [True, False])
+def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code, target, json_out):
+    if target == "worker" and not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux /proc and tgkill")
+    k = "8" if json_out else "1"  # --json: consumer threads joined by the main thread; k=1: the main thread reads the stream
+    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "generate", "-p", "hi", "-k", k, "--batch",
+                             "8", "-n", "4000"] + (["--json"] if json_out else []), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     t0 = time.monotonic()
     while not _catches(proc.pid, signal.SIGTERM):  # the command's handler is in place (Linux: /proc)
         assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stderr.read()
         time.sleep(0.1)
     time.sleep(4)  # model loaded, rows decoding (8 rows of 4000 tokens take far longer)
     assert proc.poll() is None
-    proc.send_signal(sig)
+    if target == "worker":
+        _to_other_threads(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     try:
         rc = proc.wait(timeout=30)
     except subprocess.TimeoutExpired:  # a hang: SIGABRT makes faulthandler print every thread's stack
