@@ -258,6 +258,7 @@ def engine(
     out: Optional[Path] = typer.Option(None, "--out", help="JSON result file (default reports/results/engine-<model>-<time>.json)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel: run `mlxb bench tp` (our engine over N ranks vs one device; start every rank under mlx.launch)."),
     adapters: int = typer.Option(0, "--adapters", min=0, max=64, help="LoRA: run `mlxb bench lora` with this many random-weight adapters mixed (vs no adapter, one adapter, and mlx-lm's fused model)."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run B=1 decode on a second engine with --compile-decode, interleaved with our plain engine and mlx-lm."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
     if adapters and tp > 1:
@@ -285,9 +286,13 @@ def engine(
     except ValueError:
         raise ValidationError(f"--batches {batches!r}: give comma-separated integers, e.g. 1,2,4,8") from None
     m, tok, spec, path = load_model(model, dtype)
+    if compile_decode:
+        from mlxb.engine.build import check_compile_decode
+
+        check_compile_decode(m, batch=2)
     with status("benchmarking ...") as st:
         res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
-                  progress=lambda s: st.update(f"benchmarking: {s}"))
+                  progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode)
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")
@@ -297,6 +302,9 @@ def engine(
         t.add_row(r["metric"].removesuffix("_tps").replace("_", " "), str(r["B"]), f"{r['ours_median']:.1f}", f"{r['peer_median']:.1f}",
                   f"{r['ratio_min']:.3f}", f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
     console.print(t)
+    if compile_decode:
+        console.print("b1 compiled over plain: --compile-decode against our plain step (that row's mlx-lm column is "
+                      "our plain engine), interleaved in the same repeats")
     agg = [r for r in res["rows"] if r["metric"] in ("aggregate_tps", "aggregate_ragged_tps")]
     if agg:
         tt = Table(title="where our time goes (last repeat; ms per decode step, host side)")

@@ -28,6 +28,7 @@ def generate(
     dtype: DtypeOpt = None,
     json_out: bool = typer.Option(False, "--json", help="Print JSON: text, token ids, finish reason, timings (one object per request)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel over N processes (start every rank under mlx.launch with this same command; rank 0 prints)."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="A lone row's decode steps as one compiled graph (as mlxb serve --compile-decode)."),
 ) -> None:
     """Generate through the engine's gateway (continuous batching when K > 1 and --batch > 1)."""
     import signal
@@ -37,13 +38,15 @@ def generate(
 
     signal.signal(signal.SIGTERM, on_term)  # first: a stop while MLX loads (slow on CUDA) exits as cleanly
     try:
-        _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concurrency, raw, dtype, json_out, tp)
+        _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concurrency, raw, dtype, json_out, tp,
+                  compile_decode)
     except (KeyboardInterrupt, _Stopped) as e:
         console.print("[yellow]interrupted[/]")
         raise typer.Exit(e.code if isinstance(e, _Stopped) else 130) from None
 
 
-def _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concurrency, raw, dtype, json_out, tp=1) -> None:
+def _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concurrency, raw, dtype, json_out, tp=1,
+              compile_decode=False) -> None:
     from mlxb.engine.build import build_gateway
     from mlxb.engine.gateway import GenerationInput
     from mlxb.errors import ValidationError
@@ -59,7 +62,8 @@ def _generate(prompt, prompts_file, model, max_tokens, temp, seed, batch, concur
         raise ValidationError("give --prompt TEXT or --prompts-file FILE")
     gw = None
     try:
-        gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False, tp=tp)  # one-shot
+        gw = build_gateway(model, dtype=dtype, batch=batch, default_max_tokens=max_tokens, warmup=False, tp=tp,  # one-shot
+                           compile_decode=compile_decode)
         results = _run(gw, texts, raw, max_tokens, temp, seed, json_out, SamplingParams, GenerationInput)
     finally:  # also on SIGINT/SIGTERM: the engine stops after its step, then the exit is clean
         if gw is not None:

@@ -78,6 +78,7 @@ def parity(
     plant_fault: Optional[str] = typer.Option(None, "--plant-fault", hidden=True,
                                               help="Test only: plant a known engine bug (negative controls)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Run our engine sharded over N processes (start every rank under mlx.launch with the same command); the oracle stays one unsharded mlx-lm process. Logits that are not bit-equal pass only within goldens/tp_envelope.json, with equal tokens."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="Run a lone row's decode steps compiled, as `mlxb serve --compile-decode` does (same goldens, same oracle)."),
 ) -> None:
     """Run the engine under the parity protocol and compare every row-step with mlx-lm's batch mode."""
     from mlxb.doctor import machine_key
@@ -88,6 +89,8 @@ def parity(
     if plant_fault and plant_fault not in FAULTS:
         raise ValidationError(f"--plant-fault {plant_fault!r}: one of {', '.join(FAULTS)}")
     faults = frozenset([plant_fault]) if plant_fault else frozenset()
+    if compile_decode and tp > 1:
+        raise ValidationError("--compile-decode is one process only; leave it off with --tp")
     root, machine, bs = _root(goldens), machine_key(), _bs(b)
     link = _tp_link(tp, models, dtype, all_)  # None without --tp; followers never come back from here
     results, notes, skips = [], [], {}
@@ -102,7 +105,8 @@ def parity(
                              f"{' --dtype ' + t.dtype if t.label != t.model else ''}`"
                              " or run --against live")
             if cs:
-                results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label), link)
+                results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label), link,
+                                      compile_decode)
     if link is not None:
         from mlxb.engine.tp import STOP
 

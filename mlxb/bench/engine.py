@@ -169,11 +169,18 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
-        progress: Optional[Callable[[str], None]] = None) -> dict:
+        progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False) -> dict:
+    """``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
+    (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)."""
     vocab = int(getattr(model.args, "vocab_size", 8192))
     engine = Engine(model, tokenizer, max_batch=max(batches))
     warm_up(engine)
     engine.start()
+    comp = None
+    if compile_decode:
+        comp = Engine(model, tokenizer, max_batch=max(2, max(batches)), compile_decode=True)
+        warm_up(comp)
+        comp.start()
     freeze_heap()  # as `mlxb serve` does; both arms run in this process and share it
     say = progress or (lambda s: None)
     rows: list[dict] = []
@@ -181,6 +188,8 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         warm = _prompts(2, prompt_len, vocab, 99)  # ours is warmed by warm_up above
         peer_batch(model, warm, 8)
         peer_single(model, tokenizer, warm[0], 8)
+        if comp is not None:  # its first trace and buffer growth, untimed
+            ours(comp, [warm[0]], gen)
         pw = _prompts(1, prefill_len, vocab, 98)[0]  # the prefill metric's shapes, once per arm
         ours(engine, [pw], 2)
         peer_single(model, tokenizer, pw, 2)
@@ -199,6 +208,15 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                               peer_single(model, tokenizer, p1, gen), ours(engine, [p1], gen))
             rows.append({"metric": "b1_decode_tps", "B": 1, "repeat": rep, "ours": (a1["decode"] + a2["decode"]) / 2,
                          "peer": (b1["decode"] + b2["decode"]) / 2, "peer_name": "mlx_lm.stream_generate"})
+            if comp is not None:  # compiled, plain, peer, peer, plain, compiled: interleaved as above
+                c1, d1, e1, e2, d2, c2 = (ours(comp, [p1], gen), ours(engine, [p1], gen),
+                                          peer_single(model, tokenizer, p1, gen), peer_single(model, tokenizer, p1, gen),
+                                          ours(engine, [p1], gen), ours(comp, [p1], gen))
+                cd, pd = (c1["decode"] + c2["decode"]) / 2, (d1["decode"] + d2["decode"]) / 2
+                rows.append({"metric": "b1_decode_compiled_tps", "B": 1, "repeat": rep, "ours": cd,
+                             "peer": (e1["decode"] + e2["decode"]) / 2, "peer_name": "mlx_lm.stream_generate"})
+                rows.append({"metric": "b1_compiled_over_plain", "B": 1, "repeat": rep, "ours": cd, "peer": pd,
+                             "peer_name": "mlxb plain step"})
             pp = _prompts(1, prefill_len, vocab, 100 + rep)[0]
             a, b = ours(engine, [pp], 2), peer_single(model, tokenizer, pp, 2)
             rows.append({"metric": "prefill_tps", "B": 1, "repeat": rep, "ours": prefill_len / a["ttft"],
@@ -214,6 +232,8 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                              "peer_first_s": b["ttft"], "ours_step_timing": a["timing"]})
     finally:
         engine.shutdown()
+        if comp is not None:
+            comp.shutdown()
     for r in rows:
         r["ratio"] = r["ours"] / r["peer"]
     summary = []
@@ -235,4 +255,4 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         peak = None
     return {"rows": rows, "summary": summary, "peak_memory_bytes": peak, "late_joiner_stall": stall,
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
-                       "prefill_len": prefill_len}}
+                       "prefill_len": prefill_len, "compile_decode": compile_decode}}

@@ -112,7 +112,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
                   spec_max_batch: int = 1, spec_fixed: bool = False, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
-                  **engine_kw) -> Gateway:
+                  compile_decode: bool = False, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     link = tp_link(tp, batch=batch) if tp > 1 else None
     scheme = None
@@ -156,6 +156,9 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             scheme = KVPlan.from_file(kv_config, len(make_prompt_cache(m)), layer_kinds(m))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_config") from None
+    if compile_decode:
+        check_compile_decode(m, batch=batch, lora=adapters, tp=link is not None)
+        engine_kw["compile_decode"] = True
     if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
         from mlxb.models.synth import mlxb_home
 
@@ -197,6 +200,22 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.attention_kernels = attention
     freeze_heap()
     return gw
+
+
+def check_compile_decode(model, *, batch: int, lora=None, tp: bool = False) -> None:
+    """--compile-decode: refuse what it cannot serve, then compare it with the plain step on this model
+    (bit for bit over a few steps) before any request reaches it."""
+    from mlxb.cache.protocol import layer_kinds
+    from mlxb.engine.compiled import self_check, why_not
+    from mlxb.errors import ValidationError
+
+    if batch <= 1:
+        raise ValidationError("--compile-decode compiles the batch lane's lone row; --batch 1 is mlx-lm's own serial "
+                              "generate_step: use --batch 2 or more", param="compile_decode")
+    why = why_not(model, layer_kinds(model), lora=lora or None, tp=tp) or self_check(model)
+    if why is not None:
+        raise ValidationError(why if why.startswith("--compile-decode") else f"--compile-decode refused: {why}",
+                              param="compile_decode")
 
 
 def tp_link(tp: int, *, batch: int):

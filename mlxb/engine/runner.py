@@ -34,6 +34,7 @@ from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
 from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
+from mlxb.engine.compiled import CompiledDecode
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler, sample_rows
 from mlxb.engine.spec import RowSpec, StepCost, row_spec, setup, decode as spec_decode
@@ -41,7 +42,7 @@ from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
-          "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one")
+          "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one", "compiled_mask_late")
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Runner:
         special_tokens: Optional[list[int]] = None,
         kv_scheme=None,
         spec=None,
+        compile_decode: bool = False,
     ):
         self.model = model
         self.kinds = kinds
@@ -103,6 +105,8 @@ class Runner:
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
         self.lora = getattr(model, "mlxb_lora", None)  # mlxb.engine.lora.LoRAContext when --adapters
         self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.engine.tp)
+        # --compile-decode: a lone row's plain steps as one compiled graph (mlxb.engine.compiled)
+        self.compiled = CompiledDecode(model, fault="compiled_mask_late" in faults) if compile_decode else None
 
     def idle(self) -> None:
         """The engine has nothing to run (``mlxb.engine.tp.TPRunner`` pings the other ranks)."""
@@ -282,7 +286,10 @@ class Runner:
             for c in self.caches:  # planted bug: one RoPE offset for every row
                 if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
-        logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]
+        if self.compiled is not None and not self.merged and self.lora is None and CompiledDecode.serves(self.caches):
+            logits = self.compiled(inputs, self.caches)
+        else:
+            logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]
         if self.kv is not None and not self.merged:  # a lone adopted row converts as generate_step does
             off = next((c.offset for c, k in zip(self.caches, self.kinds) if k == "full"), 0)
             self.caches = maybe_quantize(self.caches, self.kinds, self.kv, int(off))

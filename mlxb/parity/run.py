@@ -199,15 +199,16 @@ def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Op
 
 
 def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optional[Progress] = None,
-             loads: Optional[dict] = None, tp=None) -> list[dict]:
-    """Every case through our engine; ``tp`` (an ``mlxb.engine.tp.Link``): sharded, the other ranks following."""
+             loads: Optional[dict] = None, tp=None, compile_decode: bool = False) -> list[dict]:
+    """Every case through our engine; ``tp`` (an ``mlxb.engine.tp.Link``): sharded, the other ranks following;
+    ``compile_decode``: a lone row's decode steps compiled (``mlxb.engine.compiled``)."""
     from functools import partial
 
     from mlxb.engine.runner import Runner
     from mlxb.models import load_model
     from mlxb.parity.driver import run_engine
 
-    runner_cls = Runner
+    runner_cls = partial(Runner, compile_decode=True) if compile_decode else Runner
     if tp is not None:
         from mlxb.engine.tp import TPRunner, shard_model
 
@@ -243,7 +244,8 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
 
 
 def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
-           faults: frozenset = frozenset(), progress: Optional[Progress] = None, tp=None) -> list[CaseResult]:
+           faults: frozenset = frozenset(), progress: Optional[Progress] = None, tp=None,
+           compile_decode: bool = False) -> list[CaseResult]:
     """``tp``: the engine runs sharded (``mlxb.engine.tp.Link``); steps whose logits are not bit-equal to
     the unsharded reference may pass within ``goldens/tp_envelope.json`` (tokens must agree)."""
     tp_envs = {c.case: goldens.tp_envelope(root, t.dtype, t.label, c.case) for c in cases} if tp is not None else {}
@@ -259,7 +261,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
             gold[c.key] = g
     loads = t.loads()
     ref = run_oracle(cases, progress, loads) if against in ("live", "both") else None
-    ours = run_ours(cases, faults, progress, loads, tp)
+    ours = run_ours(cases, faults, progress, loads, tp, compile_decode)
     results = []
     for i, c in enumerate(cases):
         label = f"{t.label} {c.key}"

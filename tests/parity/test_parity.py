@@ -205,3 +205,23 @@ def test_spec_case_speculates_partly_and_the_oracle_agrees_on_the_rule():
     st = out["spec"]
     assert out["schedule_mismatch"] is None
     assert st["verify_steps"] >= 5 and 0 < st["accepted"] < st["drafted"], st
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_decode_passes_every_case_on_the_presets_it_serves(dtype):
+    """--compile-decode against the same oracle and goldens: every case, B=1..4, exact."""
+    r = mlxb("parity", "-m", "tiny-llama", "-m", "tiny-minicpm", "--dtype", dtype, "--b", "1,2,3,4", "--against", "both",
+             "--compile-decode", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"], r.stdout[-3000:]
+    assert len(out["results"]) >= 150 and all(x["exact"] == x["steps"] for x in out["results"])
+
+
+def test_compiled_decode_negative_control_fails():
+    """A mask that hides the lone row's newest key, planted in the compiled step only: parity fails with
+    --compile-decode and, since the plain step never reaches it, passes without it."""
+    args = ("parity", "-m", "tiny-llama", "--b", "1,2", "-c", "join", "-c", "leave", "--against", "both",
+            "--plant-fault", "compiled_mask_late")
+    bad = mlxb(*args, "--compile-decode")
+    assert bad.returncode == 1 and "FAIL" in bad.stdout and "first divergence" in bad.stdout, bad.stdout[-2000:]
+    assert mlxb(*args).returncode == 0
