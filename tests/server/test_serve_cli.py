@@ -133,6 +133,12 @@ def _catches(pid: int, sig) -> bool:
     return bool(caught >> (int(sig) - 1) & 1)
 
 
+def _sigint_default() -> None:
+    """A background job of a non-interactive shell (CI, nohup ... &) starts with SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler: give the command the disposition a terminal gives it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _to_other_threads(pid: int, sig) -> None:
     """Deliver ``sig`` to one thread other than the main one (tgkill), as Linux may do with a
     process-directed signal: Python's handler still has to run on the main thread."""
@@ -152,7 +158,8 @@ def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(
     k = "8" if json_out else "1"  # --json: consumer threads joined by the main thread; k=1: the main thread reads the stream
     proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "generate", "-p", "hi", "-k", k, "--batch",
                              "8", "-n", "4000"] + (["--json"] if json_out else []), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"),
+                            preexec_fn=_sigint_default)
     t0 = time.monotonic()
     while not _catches(proc.pid, signal.SIGTERM):  # the command's handler is in place (Linux: /proc)
         assert proc.poll() is None and time.monotonic() - t0 < 120, proc.stderr.read()
