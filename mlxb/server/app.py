@@ -85,8 +85,10 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             inp, opts = P.parse(body, chat=chat, default_max_tokens=gw.default_max_tokens)
             inp.adapter = _adapter(opts)
             loop = asyncio.get_running_loop()
-            for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
-                subs.append(gw.submit(inp if i == 0 else _choice_input(inp, i), loop=loop))
+            for k, (text, ids) in enumerate(opts["prompts"]):  # a completions batch: prompt by prompt
+                base = inp if k == 0 else dataclasses.replace(inp, prompt=text, prompt_ids=ids)
+                for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
+                    subs.append(gw.submit(base if i == 0 else _choice_input(base, i), loop=loop))
         except MlxbError as e:
             for req, _ in subs:
                 gw.cancel(req.request_id)
@@ -169,7 +171,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                 if calls and reason == "stop":
                     reason = "tool_calls"
             choices.append(P.choice(chat, i, body, reason, lp, calls))
-        return JSONResponse(P.full(cid, model, chat, choices, P.total_usage([last.usage for _, last in done])))
+        return JSONResponse(P.full(cid, model, chat, choices, P.total_usage([last.usage for _, last in done], opts["n"])))
 
     async def merged(subs):
         """(choice index, output) from every choice's stream as they come; (index, None) ends a choice."""
@@ -198,14 +200,18 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
     async def sse(subs, cid, model, chat, opts):
         n = len(subs)
         done, last_t, first = [False] * n, [None] * n, [True] * n
-        usages = [None] * n
+        usages, offset = [None] * n, [0] * n  # offset: completion text so far (legacy logprobs' text_offset)
         calls = [ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
                  for _ in range(n)]
         kind = "chat" if chat else "completions"
         try:
             async for i, out in merged(subs):
                 last_t[i] = observe(out, last_t[i])
-                lp = lp_block(chat, [out]) if (opts["logprobs"] and out.logprob is not None) else None
+                lp = None
+                if opts["logprobs"] and out.logprob is not None:
+                    lp = lp_block(chat, [out]) if chat else P.logprobs_completion(gw.tokenizer, [out], offset[i])
+                    if not chat:
+                        offset[i] += sum(len(t) for t in lp["tokens"])
                 parts = [("content", out.text or "")]
                 if calls[i] is not None:  # text is split into content and tool calls (a tag may wait a chunk)
                     parts = calls[i].feed(out.text or "") + (calls[i].finish() if out.finish_reason is not None else [])
@@ -231,7 +237,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                 if opts["include_usage"]:
                     u = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": int(time.time()), "model": model, "choices": [],
-                         "usage": P.usage(P.total_usage(usages))}
+                         "usage": P.usage(P.total_usage(usages, opts["n"]))}
                     yield f"data: {json.dumps(u)}\n\n"
                 yield "data: [DONE]\n\n"
         finally:

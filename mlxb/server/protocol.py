@@ -61,16 +61,13 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
         prompt = body.get("prompt")
         if prompt is None:
             raise ValidationError("prompt is required", param="prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
         messages = None
-    prompt_ids = None
-    if not chat and isinstance(prompt, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
-        prompt_ids, prompt = prompt, None
-    elif not chat and not isinstance(prompt, str):
-        raise ValidationError("prompt must be a string or a list of token ids", param="prompt")
+    prompts = [(None, None)]  # per prompt of a batch: (text, token ids); chat has one, from messages
+    if not chat:
+        prompts = _prompts(prompt, n)
+        prompt, prompt_ids = prompts[0]
+    else:
+        prompt_ids = None
 
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -128,6 +125,7 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     opts = {
         "stream": _get(body, "stream", bool, False),
         "n": n,
+        "prompts": prompts,  # /v1/completions: every prompt of a batch (choice index = prompt * n + choice)
         "adapters": _get(body, "adapters", str, None),  # mlx-lm's field: a loaded adapter's name or folder
         "include_usage": bool(stream_opts.get("include_usage", False)),
         "model": _get(body, "model", str, None),
@@ -136,6 +134,27 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
         "tools": inp.tools if chat and inp.tools and inp.tool_choice != "none" else None,
     }
     return inp, opts
+
+
+PROMPT_SHAPE = ("prompt must be a string, a list of token ids, or a list of those (a batch of prompts: "
+                "choices come back prompt by prompt)")
+
+
+def _prompts(prompt: Any, n: int) -> list[tuple[Optional[str], Optional[list[int]]]]:
+    """OpenAI's completions ``prompt``: a string, token ids, or a batch of either."""
+    def one(p, where):
+        if isinstance(p, str):
+            return p, None
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return None, p
+        raise ValidationError(f"{where}: {PROMPT_SHAPE}", param="prompt")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) * n > MAX_N:
+            raise ValidationError(f"{len(prompt)} prompts x n={n} makes {len(prompt) * n} choices; at most {MAX_N} "
+                                  "per request (each is a row of the batch): split the batch", param="prompt")
+        return [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [one(prompt, "prompt")]
 
 
 def new_id(chat: bool) -> str:
@@ -168,7 +187,8 @@ def logprobs_chat(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
     return {"content": content}
 
 
-def logprobs_completion(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
+def logprobs_completion(tokenizer, outs: list[RequestOutput], start: int = 0) -> Optional[dict]:
+    """OpenAI's legacy logprobs block; ``start``: the completion text's length before these tokens (a stream)."""
     toks, lps, tops = [], [], []
     for o in outs:
         if o.logprob is None:
@@ -176,7 +196,11 @@ def logprobs_completion(tokenizer, outs: list[RequestOutput]) -> Optional[dict]:
         toks.append(_tok_text(tokenizer, o.logprob.token))
         lps.append(_lp(o.logprob.logprob))
         tops.append({_tok_text(tokenizer, t): _lp(lp) for t, lp in o.logprob.top})
-    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
+    offsets, at = [], start
+    for t in toks:  # each token's offset in the completion text
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def usage(u: dict) -> dict:
@@ -219,12 +243,16 @@ def full(cid: str, model: str, chat: bool, choices: list[dict], u: dict) -> dict
             "model": model, "choices": choices, "usage": usage(u)}
 
 
-def total_usage(us: list[dict]) -> dict:
-    """Usage of a request with several choices: the prompt once, every choice's completion tokens."""
+def total_usage(us: list[dict], n: int = 1) -> dict:
+    """Usage of a request with several choices (``n`` per prompt, prompt by prompt): each prompt once,
+    every choice's completion tokens."""
     out = dict(us[0])
     for k in ("completion_tokens", "draft_tokens", "accepted_tokens"):
         if k in out:
             out[k] = sum(u.get(k, 0) for u in us)
+    for k in ("prompt_tokens", "cached_tokens"):
+        if k in out:
+            out[k] = sum(u.get(k, 0) for u in us[::n])
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
     return out
 

@@ -131,3 +131,34 @@ def test_unsupported_or_bad_choice_fields_are_a_400_naming_them(live, body, para
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert param in r.json()["error"]["message"]
+
+
+def test_completions_batch_of_prompts_comes_back_prompt_by_prompt(sdk):
+    """OpenAI's legacy batch: a list of prompts (strings or token ids), n choices each; every choice
+    is what that prompt gives alone, and usage counts each prompt once."""
+    prompts = ["def add(a, b):", [5, 6, 7, 8], "import os"]
+    r = sdk.completions.create(model="tiny-llama", prompt=prompts, max_tokens=6, n=2, temperature=0.0, logprobs=1)
+    assert [c.index for c in r.choices] == list(range(6))
+    alone = [sdk.completions.create(model="tiny-llama", prompt=p, max_tokens=6, logprobs=1) for p in prompts]
+    for k, a in enumerate(alone):
+        for j in range(2):
+            c = r.choices[2 * k + j]
+            assert c.text == a.choices[0].text  # greedy: both choices of a prompt equal it alone
+            lp = c.logprobs
+            assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 6 * 6
+    s = list(sdk.completions.create(model="tiny-llama", prompt=prompts[:2], max_tokens=4, stream=True,
+                                    stream_options={"include_usage": True}))
+    texts = {0: "", 1: ""}
+    for ch in s:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == {0: alone[0].choices[0].text[:len(texts[0])], 1: alone[1].choices[0].text[:len(texts[1])]}
+    assert texts[0] and texts[1] and s[-1].usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+
+
+@pytest.mark.parametrize("prompt", [["a", 3], [[1, "x"]], [[]], 5, ["a"] * 17])
+def test_bad_completion_prompts_are_a_400_naming_prompt(live, prompt):
+    r = httpx.post(live.url + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
