@@ -252,17 +252,32 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
     async def completions_route(request: Request):
         return await completions(request, chat=False)
 
+    def model_cards() -> list[dict]:
+        return ([{"id": n, "object": "model", "created": int(started), "owned_by": "mlxb",
+                  # mlx-lm's parser for this chat template's tool calls; None: tools are rendered, calls stay text
+                  "tool_parser": gw.tool_format.name if gw.tool_format.on else None} for n in sorted(names)]
+                + [{"id": a, "object": "model", "created": int(started), "owned_by": "mlxb", "parent": gw.model_name}
+                   for a in sorted(adapter_ids())])
+
     async def models_route(request: Request):
         try:
             check_auth(request)
         except MlxbError as e:
             return err(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": int(started), "owned_by": "mlxb",
-             # mlx-lm's parser for this chat template's tool calls; None: tools are rendered, calls stay text
-             "tool_parser": gw.tool_format.name if gw.tool_format.on else None} for n in sorted(names)]
-            + [{"id": a, "object": "model", "created": int(started), "owned_by": "mlxb", "parent": gw.model_name}
-               for a in sorted(adapter_ids())]})
+        return JSONResponse({"object": "list", "data": model_cards()})
+
+    async def model_route(request: Request):
+        """GET /v1/models/{id}: one served model or adapter (ids may hold slashes: a folder's path)."""
+        try:
+            check_auth(request)
+            want = request.path_params["model_id"]
+            for card in model_cards():
+                if card["id"] in (want, "/" + want):
+                    return JSONResponse(card)
+            raise ModelNotFoundError(f"model {want!r} is not served here; this server serves "
+                                     f"{[c['id'] for c in model_cards()]} (see GET /v1/models)", param="model")
+        except MlxbError as e:
+            return err(e)
 
     async def health(request: Request):
         if gw.engine.alive:
@@ -287,6 +302,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         Route("/chat/completions", chat_route, methods=["POST"]),
         Route("/v1/completions", completions_route, methods=["POST"]),
         Route("/v1/models", models_route, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),

@@ -61,6 +61,10 @@ def test_chat_logprobs(sdk):
 def test_models_offline(sdk):
     ids = [m.id for m in sdk.models.list().data]
     assert "tiny-llama" in ids
+    for i in ids:  # every listed id (a folder path too) is retrievable, and nothing else is
+        assert sdk.models.retrieve(i).id == i
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        sdk.models.retrieve("no-such-model")
 
 
 def test_eight_concurrent_streams_batch(sdk, live):
