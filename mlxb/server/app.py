@@ -22,6 +22,7 @@ from mlxb.engine.gateway import Gateway
 from mlxb.errors import MlxbError, ModelNotFoundError, ValidationError
 from mlxb.server import protocol as P
 from mlxb.server.metrics import Metrics
+from mlxb.server import responses as R
 from mlxb.server.toolcalls import ToolCallStream
 from mlxb.server.toolcalls import split as split_tool_calls
 
@@ -246,6 +247,59 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                     gw.cancel(req.request_id)
                     metrics.requests.labels(kind, "disconnected").inc()
 
+    async def responses_route(request: Request):
+        """POST /v1/responses: OpenAI's Responses API over the chat path (``mlxb.server.responses``)."""
+        try:
+            check_auth(request)
+            body, echo = R.to_chat(await read_json(request))
+            inp, opts = P.parse(body, chat=True, default_max_tokens=gw.default_max_tokens)
+            inp.adapter = _adapter(opts)
+            req, stream = gw.submit(inp, loop=asyncio.get_running_loop())
+        except MlxbError as e:
+            metrics.requests.labels("responses", f"http_{e.status}").inc()
+            return err(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        metrics.prompt_tokens.inc(req.num_prompt_tokens)
+        calls = ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
+        b = R.Builder(echo, opts["model"] or gw.model_name, calls)
+
+        def lps(out):
+            return P.logprobs_chat(gw.tokenizer, [out])["content"] if opts["logprobs"] and out.logprob else []
+
+        def end(last):
+            e = last.error if isinstance(last.error, MlxbError) else (MlxbError(str(last.error)) if last.error else None)
+            metrics.requests.labels("responses", last.finish_reason or "error").inc()
+            return b.finish(last.finish_reason, last.usage, e)
+
+        if not echo["stream"]:
+            outs, last = await drain(req, stream)
+            for o in outs:
+                b.feed(o.text or "", lps(o))
+            end(last)
+            return JSONResponse(b.response(), status_code=500 if b.status == "failed" else 200)
+
+        async def events():
+            finished = False
+            try:
+                for ev in b.start():
+                    yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+                async for out in stream:
+                    observe(out, None)
+                    evs = b.feed(out.text or "", lps(out))
+                    if out.finish_reason is not None:
+                        evs += end(out)
+                        finished = True
+                    for ev in evs:
+                        yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+            finally:
+                if not finished:  # the client went away mid-stream: free the row within one step
+                    gw.cancel(req.request_id)
+                    metrics.requests.labels("responses", "disconnected").inc()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def chat_route(request: Request):
         return await completions(request, chat=True)
 
@@ -301,6 +355,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         Route("/v1/chat/completions", chat_route, methods=["POST"]),
         Route("/chat/completions", chat_route, methods=["POST"]),
         Route("/v1/completions", completions_route, methods=["POST"]),
+        Route("/v1/responses", responses_route, methods=["POST"]),
         Route("/v1/models", models_route, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
