@@ -142,3 +142,4 @@ class RequestOutput:
     usage: Optional[dict] = None
     timings: Optional[dict] = None
     error: Optional[Exception] = None
+    stop_sequence: Optional[str] = None  # the stop string that ended the request (last record only)

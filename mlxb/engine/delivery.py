@@ -98,6 +98,7 @@ class Delivery:
         out = last or RequestOutput(req.request_id, None, None if live.defer_text else "")
         out.finish_reason = FINISH_REASON[status]
         out.error = error
+        out.stop_sequence = live.stop.hit
         out.usage = {
             "prompt_tokens": req.num_prompt_tokens,
             "completion_tokens": req.num_generated,

@@ -19,7 +19,8 @@ import time
 import uuid
 from typing import Any, Optional
 
-from mlxb.errors import MlxbError, ValidationError
+from mlxb.errors import MlxbError
+from mlxb.server.translate import bad as _bad, function_tools, join_text
 
 STATEFUL = {"previous_response_id": "previous_response_id (a stored earlier response)",
             "conversation": "conversation (a stored conversation)",
@@ -27,26 +28,9 @@ STATEFUL = {"previous_response_id": "previous_response_id (a stored earlier resp
 ROLES = ("user", "assistant", "system", "developer")
 
 
-def _bad(msg: str, param: str):
-    raise ValidationError(msg, param=param)
-
-
 def _text(content: Any, where: str) -> str:
     """A message's content: a string or text parts (``input_text``, ``output_text``, ``text``)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        _bad(f"{where}.content must be a string or a list of text parts", "input")
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind == "refusal":
-            out.append(part.get("refusal", ""))
-        else:
-            _bad(f"{where}.content[{j}]: only text parts are supported (got {kind!r})", "input")
-    return "".join(out)
+    return join_text(content, f"{where}.content", "input", ("input_text", "output_text", "text"))
 
 
 def _messages(body: dict) -> list[dict]:
@@ -95,20 +79,11 @@ def _messages(body: dict) -> list[dict]:
     return msgs
 
 
-def _tools(body: dict) -> Optional[list[dict]]:
-    tools = body.get("tools")
-    if tools in (None, []):
-        return None
-    if not isinstance(tools, list):
-        _bad("tools must be a list", "tools")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else t
-            _bad(f"tools[{i}]: only function tools are served here (got {kind!r})", "tools")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-        out.append({"type": "function", "function": fn})
-    return out
+def _tool(i: int, t: Any) -> dict:
+    if not isinstance(t, dict) or t.get("type") != "function":
+        _bad(f"tools[{i}]: only function tools are served here (got {t.get('type') if isinstance(t, dict) else t!r})",
+             "tools")
+    return {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -151,7 +126,7 @@ def to_chat(body: Any) -> tuple[dict, dict]:
                      ("chat_template_kwargs", "chat_template_kwargs"), ("adapters", "adapters")):
         if body.get(src) is not None:
             chat[dst] = body[src]
-    tools = _tools(body)
+    tools = function_tools(body.get("tools"), _tool)
     if tools:
         chat["tools"] = tools
         if body.get("tool_choice") is not None:
