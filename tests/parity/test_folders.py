@@ -84,3 +84,27 @@ def test_dtype_is_refused_for_quantized_weights_and_unknown_names(folders):
     assert r.returncode != 0 and "quantized" in (r.stdout + r.stderr) and "leave --dtype out" in (r.stdout + r.stderr)
     r = mlxb("parity", "-m", str(folders[0]), "--dtype", "int8", "--b", "2", "-c", "join")
     assert r.returncode != 0 and "float32, bfloat16 or float16" in (r.stdout + r.stderr)
+
+
+@pytest.mark.parametrize("arch", [
+    dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True),
+    dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    dict(model_type="phi3"),
+])
+def test_other_architectures_match_the_oracle_also_with_compiled_decode(tmp_path, arch):
+    """mlx-lm folders of architectures no preset has (written here with random weights): every case of a
+    join and a retirement is exact, plain and with --compile-decode (which checks itself at start-up)."""
+    from mlxb.models.presets import _tiny
+    from mlxb.models.synth import write_folder
+
+    folder = write_folder(_tiny("x", arch["model_type"], hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                                **arch), tmp_path / arch["model_type"])
+    for extra in ([], ["--compile-decode"]):
+        r = mlxb("parity", "-m", str(folder), "--b", "1,2,3", "-c", "join", "-c", "leave", "-c", "prefix",
+                 "--against", "live", "--json", *extra)
+        out = json.loads(r.stdout)
+        assert r.returncode == 0 and out["ok"], r.stdout[-2000:] + r.stderr[-2000:]
+        assert all(x["exact"] == x["steps"] > 0 for x in out["results"])
+    g = mlxb("generate", "-m", str(folder), "-p", "hi", "-n", "8", "--compile-decode", "--json")
+    assert g.returncode == 0 and len(json.loads(g.stdout.splitlines()[-1])["token_ids"]) == 8, g.stderr[-2000:]
