@@ -303,7 +303,7 @@ def engine(
                   f"{r['ratio_min']:.3f}", f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
     console.print(t)
     if compile_decode:
-        console.print("b1 compiled over plain: --compile-decode against our plain step (that row's mlx-lm column is "
+        console.print("compiled over plain: --compile-decode against our plain step (those rows' mlx-lm column is "
                       "our plain engine), interleaved in the same repeats")
     agg = [r for r in res["rows"] if r["metric"] in ("aggregate_tps", "aggregate_ragged_tps")]
     if agg:

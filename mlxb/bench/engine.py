@@ -171,7 +171,8 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
         progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False) -> dict:
     """``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
-    (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)."""
+    (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)
+    and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``)."""
     vocab = int(getattr(model.args, "vocab_size", 8192))
     engine = Engine(model, tokenizer, max_batch=max(batches))
     warm_up(engine)
@@ -226,6 +227,11 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                 ps = _prompts(B, prompt_len, vocab, 1000 * rep + B, ragged)
                 a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
                 assert a["tokens"] == b["tokens"] == B * gen, (a, b)
+                if comp is not None and B > 1:  # the compiled batch step against our plain one, same prompts
+                    c = ours(comp, ps, gen)
+                    rows.append({"metric": "aggregate_compiled_over_plain" + ("_ragged" if ragged else ""), "B": B,
+                                 "repeat": rep, "ours": c["tokens"] / c["wall"], "peer": a["tokens"] / a["wall"],
+                                 "peer_name": "mlxb plain step"})
                 rows.append({"metric": "aggregate_ragged_tps" if ragged else "aggregate_tps", "B": B, "repeat": rep, "ours": a["tokens"] / a["wall"],
                              "peer": b["tokens"] / b["wall"], "peer_name": "mlx_lm.BatchGenerator",
                              "ours_wall_s": a["wall"], "peer_wall_s": b["wall"], "ours_all_first_s": a["all_first_s"],

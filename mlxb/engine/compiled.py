@@ -50,6 +50,27 @@ class BufferKV:
         return pos < self.offset if self._late else pos <= self.offset
 
 
+class BatchBufferKV(BufferKV):
+    """The batch lane's full-attention layer inside the trace: rows write at the shared buffer index
+    ``idx``, RoPE takes each row's ``offset``, and the mask hides each row's left padding."""
+
+    def __init__(self, keys, values, idx, offset, left_padding, late: bool = False):
+        super().__init__(keys, values, idx, late)
+        self.write, self.offset, self.left_padding = idx, offset, left_padding
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys = mx.slice_update(self.keys, keys, self.write[None], axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.write[None], axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        if n != 1 or window_size is not None:
+            raise ValueError("the compiled step runs one token through full-attention layers only")
+        pos = mx.arange(self.keys.shape[2])
+        upto = pos < self.write if self._late else pos <= self.write
+        return ((pos[None] >= self.left_padding[:, None]) & upto[None])[:, None, None, :]
+
+
 def why_not(model, kinds: list, *, lora=None, tp: bool = False) -> Optional[str]:
     """Why ``--compile-decode`` cannot serve this model here, or None."""
     if tp:
@@ -69,12 +90,18 @@ class CompiledDecode:
 
     def __init__(self, model, fault: bool = False):
         self.model, self.fault = model, fault
-        self.steps = 0
-        self.shapes: set = set()  # buffer capacities traced so far
+        self.steps = self.batch_steps = 0
+        self.shapes: set = set()  # (rows, buffer capacity) traced so far
         self._fn = mx.compile(self._step)
+        self._bfn = mx.compile(self._batch_step)
 
     def _step(self, tok: mx.array, off: mx.array, *kv: mx.array):
         caches = [BufferKV(kv[i], kv[i + 1], off, self.fault) for i in range(0, len(kv), 2)]
+        logits = self.model(tok[:, None], cache=caches)[:, -1, :]
+        return (logits, *[a for c in caches for a in (c.keys, c.values)])
+
+    def _batch_step(self, tok: mx.array, idx: mx.array, off: mx.array, pad: mx.array, *kv: mx.array):
+        caches = [BatchBufferKV(kv[i], kv[i + 1], idx, off, pad, self.fault) for i in range(0, len(kv), 2)]
         logits = self.model(tok[:, None], cache=caches)[:, -1, :]
         return (logits, *[a for c in caches for a in (c.keys, c.values)])
 
@@ -82,17 +109,40 @@ class CompiledDecode:
     def serves(caches: list) -> bool:
         return bool(caches) and all(type(c) is KVCache and c.keys is not None for c in caches)
 
+    @staticmethod
+    def serves_batch(caches: list) -> bool:
+        """The batch lane's plain full-attention layers, with no speculative holes in them."""
+        from mlxb.cache.protocol import AlignedBatchKVCache
+
+        return bool(caches) and all(type(c) is AlignedBatchKVCache and c.keys is not None and c.holes is None
+                                    for c in caches)
+
+    def batch(self, tokens: mx.array, caches: list) -> mx.array:
+        """Logits [B, V] of one step of the batch lane's ``caches``, which it advances as
+        ``BatchKVCache.update_and_fetch`` would."""
+        c0 = caches[0]
+        idx, cap = c0._idx, c0.keys.shape[2]
+        if idx >= cap:
+            cap = -(-(idx + 1) // GROW) * GROW
+            _grow(caches, idx, cap)
+        self.shapes.add((len(tokens), cap))
+        out = self._bfn(tokens, mx.array(idx, dtype=mx.int32), c0.offset, c0.left_padding,
+                        *[a for c in caches for a in (c.keys, c.values)])
+        off = c0.offset + 1
+        for i, c in enumerate(caches):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            c._idx, c.offset = idx + 1, off
+        self.batch_steps += 1
+        return out[0]
+
     def __call__(self, tokens: mx.array, caches: list) -> mx.array:
         """Logits [1, V] of one step on ``caches`` (one row of ``KVCache``), which it advances."""
         off = caches[0].offset
         cap = caches[0].keys.shape[2]
         if off >= cap:  # grow every buffer to the next multiple of GROW (mlx-lm's KVCache steps by 256 too)
-            new = -(-(off + 1) // GROW) * GROW
-            for c in caches:
-                c.keys, c.values = (mx.concatenate([a[..., :off, :], mx.zeros(a.shape[:2] + (new - off, a.shape[3]), a.dtype)],
-                                                   axis=2) for a in (c.keys, c.values))
-            cap = new
-        self.shapes.add(cap)
+            cap = -(-(off + 1) // GROW) * GROW
+            _grow(caches, off, cap)
+        self.shapes.add((1, cap))
         out = self._fn(tokens, mx.array(off, dtype=mx.int32), *[a for c in caches for a in (c.keys, c.values)])
         for i, c in enumerate(caches):
             c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
@@ -101,27 +151,47 @@ class CompiledDecode:
         return out[0]
 
     def stats(self) -> dict:
-        return {"steps": self.steps, "traced_capacities": len(self.shapes)}
+        return {"steps": self.steps, "batch_steps": self.batch_steps, "traced_shapes": len(self.shapes)}
+
+
+def _grow(caches: list, used: int, cap: int) -> None:
+    """Every layer's buffers: the first ``used`` positions, then zeros up to ``cap``."""
+    for c in caches:
+        c.keys, c.values = (mx.concatenate([a[..., :used, :], mx.zeros(a.shape[:2] + (cap - used, a.shape[3]), a.dtype)],
+                                           axis=2) for a in (c.keys, c.values))
 
 
 def self_check(model, steps: int = 12, prompt_len: int = 24) -> Optional[str]:
-    """Run ``steps`` greedy steps of one prompt plainly and compiled; None if every logit vector is
-    bit-equal, else what differed (the flag is then refused)."""
-    prompt = mx.array([(7 * i + 3) % 200 + 1 for i in range(prompt_len)], dtype=mx.uint32)
-    runs = []
-    for compiled in (False, True):
-        step = CompiledDecode(model) if compiled else None
+    """Run ``steps`` greedy steps plainly and compiled, for one row and for a padded batch of two;
+    None if every logit vector is bit-equal, else what differed (the flag is then refused)."""
+    from mlxb.cache.protocol import ROW_OPS
+
+    prompts = [[(7 * i + 3) % 200 + 1 for i in range(prompt_len)], [(5 * i + 11) % 200 + 1 for i in range(prompt_len // 2)]]
+
+    def prefilled(p):
         cache = make_prompt_cache(model)
-        model(prompt[None, :-1], cache=cache)
-        tok, out = prompt[-1:], []
-        for _ in range(steps):
-            logits = step(tok, cache) if step else model(tok[None], cache=cache)[:, -1, :]
-            tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            mx.eval(logits, tok)
-            out.append(logits)
-        runs.append(out)
-    for i, (a, b) in enumerate(zip(*runs)):
-        if not mx.array_equal(a, b).item():
-            d = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
-            return f"the compiled decode step differs from the plain one at step {i} (max |logit difference| {d:.3g})"
+        model(mx.array(p[:-1])[None], cache=cache)
+        return cache
+
+    for rows in (1, 2):
+        runs = []
+        for compiled in (False, True):
+            step = CompiledDecode(model) if compiled else None
+            solos = [prefilled(p) for p in prompts[:rows]]
+            cache = solos[0] if rows == 1 else [ROW_OPS["full"].to_batch([s[i] for s in solos]) for i in range(len(solos[0]))]
+            tok, out = mx.array([p[-1] for p in prompts[:rows]], dtype=mx.uint32), []
+            for _ in range(steps):
+                if step is None:
+                    logits = model(tok[:, None], cache=cache)[:, -1, :]
+                else:
+                    logits = step(tok, cache) if rows == 1 else step.batch(tok, cache)
+                tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
+                mx.eval(logits, tok)
+                out.append(logits)
+            runs.append(out)
+        for i, (a, b) in enumerate(zip(*runs)):
+            if not mx.array_equal(a, b).item():
+                d = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max())
+                return (f"the compiled decode step differs from the plain one at step {i} of {'a padded batch' if rows > 1 else 'one row'}"
+                        f" (max |logit difference| {d:.3g})")
     return None

@@ -286,8 +286,10 @@ class Runner:
             for c in self.caches:  # planted bug: one RoPE offset for every row
                 if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
-        if self.compiled is not None and not self.merged and self.lora is None and CompiledDecode.serves(self.caches):
+        if self.compiled is not None and self.lora is None and not self.merged and CompiledDecode.serves(self.caches):
             logits = self.compiled(inputs, self.caches)
+        elif self.compiled is not None and self.lora is None and self.merged and CompiledDecode.serves_batch(self.caches):
+            logits = self.compiled.batch(inputs, self.caches)
         else:
             logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]
         if self.kv is not None and not self.merged:  # a lone adopted row converts as generate_step does
