@@ -258,7 +258,7 @@ def engine(
     out: Optional[Path] = typer.Option(None, "--out", help="JSON result file (default reports/results/engine-<model>-<time>.json)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel: run `mlxb bench tp` (our engine over N ranks vs one device; start every rank under mlx.launch)."),
     adapters: int = typer.Option(0, "--adapters", min=0, max=64, help="LoRA: run `mlxb bench lora` with this many random-weight adapters mixed (vs no adapter, one adapter, and mlx-lm's fused model)."),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run B=1 decode on a second engine with --compile-decode, interleaved with our plain engine and mlx-lm."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run a second engine with --compile-batch (compiled lone-row and batch steps), interleaved with our plain engine and mlx-lm."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
     if adapters and tp > 1:

@@ -78,7 +78,7 @@ def parity(
     plant_fault: Optional[str] = typer.Option(None, "--plant-fault", hidden=True,
                                               help="Test only: plant a known engine bug (negative controls)."),
     tp: int = typer.Option(1, "--tp", min=1, help="Run our engine sharded over N processes (start every rank under mlx.launch with the same command); the oracle stays one unsharded mlx-lm process. Logits that are not bit-equal pass only within goldens/tp_envelope.json, with equal tokens."),
-    compile_decode: bool = typer.Option(False, "--compile-decode", help="Run a lone row's decode steps compiled, as `mlxb serve --compile-decode` does (same goldens, same oracle)."),
+    compile_decode: bool = typer.Option(False, "--compile-decode", help="Run decode steps compiled, a lone row's and the batch lane's, as `mlxb serve --compile-batch` does (same goldens, same oracle)."),
 ) -> None:
     """Run the engine under the parity protocol and compare every row-step with mlx-lm's batch mode."""
     from mlxb.doctor import machine_key

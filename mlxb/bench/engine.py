@@ -179,7 +179,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
     engine.start()
     comp = None
     if compile_decode:
-        comp = Engine(model, tokenizer, max_batch=max(2, max(batches)), compile_decode=True)
+        comp = Engine(model, tokenizer, max_batch=max(2, max(batches)), compile_decode="all")
         warm_up(comp)
         comp.start()
     freeze_heap()  # as `mlxb serve` does; both arms run in this process and share it

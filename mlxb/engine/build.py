@@ -112,7 +112,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
                   spec_max_batch: int = 1, spec_fixed: bool = False, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
-                  compile_decode: bool = False, **engine_kw) -> Gateway:
+                  compile_decode: bool = False, compile_batch: bool = False, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     link = tp_link(tp, batch=batch) if tp > 1 else None
     scheme = None
@@ -156,9 +156,9 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             scheme = KVPlan.from_file(kv_config, len(make_prompt_cache(m)), layer_kinds(m))
         except ValueError as e:
             raise ValidationError(str(e), param="kv_config") from None
-    if compile_decode:
+    if compile_decode or compile_batch:  # --compile-batch implies --compile-decode
         check_compile_decode(m, batch=batch, lora=adapters, tp=link is not None)
-        engine_kw["compile_decode"] = True
+        engine_kw["compile_decode"] = "all" if compile_batch else "lone"
     if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
         from mlxb.models.synth import mlxb_home
 

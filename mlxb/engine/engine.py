@@ -52,7 +52,7 @@ class Engine:
         kv_scheme=None,
         spec=None,
         runner_cls=Runner,  # mlxb.engine.tp.TPRunner (bound to its Link) under --tp
-        compile_decode: bool = False,  # --compile-decode: a lone row's steps compiled (mlxb.engine.compiled)
+        compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
@@ -65,7 +65,7 @@ class Engine:
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         # NOTE: the runner first: under --tp it is announced to the other ranks before the forward below
         self.runner = runner_cls(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
-                                 special_tokens=sorted(self.eos_ids), **({"compile_decode": True} if compile_decode else {}))
+                                 special_tokens=sorted(self.eos_ids), **({"compile_decode": compile_decode} if compile_decode else {}))
         self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
         if self.projection is not None and spec is not None and spec.draft_model is not None:
             from mlxb.engine.outputs import KVProjection

@@ -79,7 +79,7 @@ class Runner:
         special_tokens: Optional[list[int]] = None,
         kv_scheme=None,
         spec=None,
-        compile_decode: bool = False,
+        compile_decode=False,  # False | "lone" (a lone row's steps) | "all" (batch steps too); True means "lone"
     ):
         self.model = model
         self.kinds = kinds
@@ -107,6 +107,7 @@ class Runner:
         self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.engine.tp)
         # --compile-decode: a lone row's plain steps as one compiled graph (mlxb.engine.compiled)
         self.compiled = CompiledDecode(model, fault="compiled_mask_late" in faults) if compile_decode else None
+        self.compile_batch = compile_decode == "all"
 
     def idle(self) -> None:
         """The engine has nothing to run (``mlxb.engine.tp.TPRunner`` pings the other ranks)."""
@@ -288,7 +289,7 @@ class Runner:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
         if self.compiled is not None and self.lora is None and not self.merged and CompiledDecode.serves(self.caches):
             logits = self.compiled(inputs, self.caches)
-        elif self.compiled is not None and self.lora is None and self.merged and CompiledDecode.serves_batch(self.caches):
+        elif self.compile_batch and self.lora is None and self.merged and CompiledDecode.serves_batch(self.caches):
             logits = self.compiled.batch(inputs, self.caches)
         else:
             logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]

@@ -201,14 +201,14 @@ def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Op
 def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optional[Progress] = None,
              loads: Optional[dict] = None, tp=None, compile_decode: bool = False) -> list[dict]:
     """Every case through our engine; ``tp`` (an ``mlxb.engine.tp.Link``): sharded, the other ranks following;
-    ``compile_decode``: a lone row's decode steps compiled (``mlxb.engine.compiled``)."""
+    ``compile_decode``: decode steps compiled, a lone row's and the batch lane's (``mlxb.engine.compiled``)."""
     from functools import partial
 
     from mlxb.engine.runner import Runner
     from mlxb.models import load_model
     from mlxb.parity.driver import run_engine
 
-    runner_cls = partial(Runner, compile_decode=True) if compile_decode else Runner
+    runner_cls = partial(Runner, compile_decode="all") if compile_decode else Runner
     if tp is not None:
         from mlxb.engine.tp import TPRunner, shard_model
 

@@ -32,15 +32,17 @@ def test_lone_row_equals_the_plain_step_bit_for_bit_across_buffer_growth(name, t
     assert cap_c.keys() == cap_p.keys() and all(np.array_equal(cap_c[k], cap_p[k]) for k in cap_p)
 
 
-def test_rows_that_join_a_compiled_lone_row_batch_as_before(tiny_models):
-    """The lone row decodes compiled, then rows join (the batch lane takes over) and leave again."""
+@pytest.mark.parametrize("scope", ["lone", "all"])
+def test_rows_that_join_a_compiled_lone_row_batch_as_before(scope, tiny_models):
+    """The lone row decodes compiled, then rows join (the batch lane takes over, compiled too with
+    --compile-batch) and leave again."""
     model, tok, _, _ = tiny_models("tiny-llama")
     ps = prompts()
     mk = lambda: [Request(f"r{i}", p, 24 if i else 60, ignore_eos=True) for i, p in enumerate(ps)]  # noqa: E731
     ref, cap_ref, _ = captured(model, tok, mk(), 1)  # the strict serial lane: each row alone
-    outs, cap, eng = captured(model, tok, mk(), 4, delays=[0, 0.05, 0.01, 0.01], compile_decode=True)
+    outs, cap, eng = captured(model, tok, mk(), 4, delays=[0, 0.05, 0.01, 0.01], compile_decode=scope)
     st = eng.stats()["compiled_decode"]
-    assert st["steps"] > 0 and st["batch_steps"] > 0 and eng.counters["batched_steps"] > 0
+    assert st["steps"] > 0 and (st["batch_steps"] > 0) == (scope == "all") and eng.counters["batched_steps"] > 0
     assert toks(outs) == toks(ref)
     assert all(np.array_equal(cap[k], cap_ref[k]) for k in cap_ref)  # tiny-llama: batched rows are exact here
 
