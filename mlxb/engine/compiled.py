@@ -95,6 +95,11 @@ class CompiledDecode:
         self._fn = mx.compile(self._step)
         self._bfn = mx.compile(self._batch_step)
 
+    def release(self) -> None:
+        """Drop the compiled graphs, on the thread that traced them (MLX keeps traces per thread); a later
+        step traces them again."""
+        self._fn = self._bfn = None
+
     def _step(self, tok: mx.array, off: mx.array, *kv: mx.array):
         caches = [BufferKV(kv[i], kv[i + 1], off, self.fault) for i in range(0, len(kv), 2)]
         logits = self.model(tok[:, None], cache=caches)[:, -1, :]
@@ -126,6 +131,8 @@ class CompiledDecode:
             cap = -(-(idx + 1) // GROW) * GROW
             _grow(caches, idx, cap)
         self.shapes.add((len(tokens), cap))
+        if self._bfn is None:
+            self._bfn = mx.compile(self._batch_step)
         out = self._bfn(tokens, mx.array(idx, dtype=mx.int32), c0.offset, c0.left_padding,
                         *[a for c in caches for a in (c.keys, c.values)])
         off = c0.offset + 1
@@ -143,6 +150,8 @@ class CompiledDecode:
             cap = -(-(off + 1) // GROW) * GROW
             _grow(caches, off, cap)
         self.shapes.add((1, cap))
+        if self._fn is None:
+            self._fn = mx.compile(self._step)
         out = self._fn(tokens, mx.array(off, dtype=mx.int32), *[a for c in caches for a in (c.keys, c.values)])
         for i, c in enumerate(caches):
             c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]

@@ -9,10 +9,12 @@ request runs and admission resumes (drain, never starve).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -114,6 +116,7 @@ class Engine:
 
     def start(self) -> "Engine":
         self._thread.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
     @property
@@ -219,8 +222,16 @@ class Engine:
         # thread's implicit default stream, MLX sometimes aborted the process at exit
         # ("terminate called without an active exception") after batched decoding.
         self._stream = mx.new_stream(mx.default_device())
-        with mx.stream(self._stream):
-            self._loop_body()
+        try:
+            with mx.stream(self._stream):
+                self._loop_body()
+        finally:
+            compiled = getattr(self.runner, "compiled", None)
+            if compiled is not None:
+                # NOTE: MLX keeps compiled traces per thread, and their Python functions with them: left
+                # to the thread's exit they were destroyed while the interpreter finalized, and the process
+                # aborted ("terminate called without an active exception", exit 134) one time in three
+                compiled.release()
 
     def _loop_body(self) -> None:
         try:
@@ -399,3 +410,11 @@ class Engine:
                     s.on_finished(rid, status)
                 self.trace.mark("retire")
             r.timing["deliver_s"] += time.perf_counter() - t_deliver
+
+
+def _stop_at_exit(ref) -> None:
+    """An engine still running when the interpreter exits (a library user who never called shutdown):
+    its daemon thread would be torn down inside MLX, which aborts the process (exit 134); stop it first."""
+    eng = ref()
+    if eng is not None and eng._thread.is_alive():
+        eng.stop(timeout=10.0)

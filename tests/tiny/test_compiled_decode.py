@@ -149,3 +149,32 @@ def test_prompt_cache_entries_from_compiled_rows_serve_later_requests_alike(tiny
     assert [t for t, _ in comp] == [t for t, _ in plain]
     assert [c for _, c in comp] == [c for _, c in plain] and comp[1][1] >= 100 and comp[2][1] >= 120
     assert eng.stats()["compiled_decode"]["steps"] >= 3 * 28
+
+
+EXIT_SCRIPT = """
+from mlxb.models import load_model
+from mlxb.engine.engine import Engine
+from mlxb.engine.stream import OutputStream
+from mlxb.request import Request
+m, tok, _, _ = load_model("tiny-llama")
+eng = Engine(m, tok, max_batch=4, compile_decode="all").start()
+for i in range(2):
+    r = Request(f"r{i}", list(range(100, 140 + i)), 12, ignore_eos=True)
+    r.mechanism = "continuous"
+    st = OutputStream(r.request_id)
+    eng.submit(r, st)
+    assert len([o for o in st if o.token is not None]) == 12
+eng.shutdown()
+print("ok")
+"""
+
+
+def test_a_process_that_ran_compiled_steps_exits_cleanly():
+    """MLX keeps compiled traces per thread: left to the engine thread's exit they were destroyed while
+    the interpreter finalized, and the process aborted (exit 134) after printing its result."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
