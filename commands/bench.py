@@ -39,7 +39,8 @@ def _resolved_args(args: list, dtype: Optional[str]) -> list:
     return out
 
 
-def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, cells, dtype, bench_name, api_key=None):
+def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, cells, dtype, bench_name, api_key=None,
+                api="chat"):
     """Start what is needed, run the matrix on every stack, stop what we started, store and print."""
     from mlxb.bench import servers
     from mlxb.bench.features import Target, run_matrix
@@ -68,11 +69,11 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
             try:
                 prog.update(task, description=f"starting servers {' '.join(extra)}".rstrip())
                 if base_url:
-                    targets.append(Target("mlxb", base_url, str(path), f"external {base_url}"))
+                    targets.append(Target("mlxb", base_url, str(path), f"external {base_url}", api=api))
                 else:
                     srv = servers.start("mlxb", str(path), batch=batch, extra=extra)
                     started.append(srv)
-                    targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags)))
+                    targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags), api=api))
                 if peer:
                     shared = extra[:extra.index("--adapters")] if "--adapters" in extra else extra
                     srv = servers.start(peer, str(path), batch=batch, extra=shared)
@@ -128,6 +129,7 @@ def load(
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Ask for exactly output-len tokens (mlxb honours it; mlx_lm.server has no such field)."),
     ttft_threshold: float = typer.Option(2.0, "--ttft-threshold", help="Saturation knee: highest load with p95 TTFT under this (s)."),
     api_key: Optional[str] = typer.Option(None, "--api-key"),
+    api: str = typer.Option("chat", "--api", help="Endpoint for chat payloads: chat (/v1/chat/completions), responses (/v1/responses) or messages (Anthropic's /v1/messages)."),
 ) -> None:
     """Load an OpenAI-compatible server over streaming SSE; optionally the same load on mlx_lm.server."""
     import asyncio
@@ -139,6 +141,10 @@ def load(
 
     if peer and peer not in ("mlx-lm",):
         raise ValidationError(f"--peer {peer!r}: the supported peer is mlx-lm")
+    if api not in L.APIS:
+        raise ValidationError(f"--api {api!r}: use one of {', '.join(L.APIS)}")
+    if peer and api != "chat":
+        raise ValidationError(f"--api {api}: mlx_lm.server serves chat and completions only; drop --peer or use --api chat")
     try:
         levels = [int(c) for c in concurrency.split(",")]
     except ValueError:
@@ -155,7 +161,7 @@ def load(
             ds = L.random_dataset(tok, max(1, int(rate * duration * 2)), input_len, output_len, vocab)
         with status(f"open loop: {rate}/s for {duration}s ..."):
             res = asyncio.run(L.run_load(base_url, str(path), ds, rate=rate, burstiness=burstiness, duration=duration,
-                                         ignore_eos=ignore_eos, api_key=api_key))
+                                         ignore_eos=ignore_eos, api_key=api_key, api=api))
         s = L.summarize(res)
         row = {"cell": f"open-{dataset}", "stack": stack, "concurrency": 0, "repeat": 0, "rate": rate,
                "burstiness": burstiness, "status": "ok" if s["failed"] == 0 else "errors", **s}
@@ -177,8 +183,10 @@ def load(
     else:
         raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix, multi-turn or a .jsonl file")
     cell.requests = requests
+    if api != "chat":
+        cell.name += f"-{api}"
     rows = _run_stacks(Matrix("cli", [cell], repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
-                       dtype, "load")
+                       dtype, "load", api=api)
     for st in sorted({r["stack"] for r in rows}):
         pts = [(r["concurrency"], r.get("p95_ttft")) for r in rows if r["stack"] == st and r["status"] != "unsupported"]
         console.print(f"saturation knee for {st} (p95 TTFT <= {ttft_threshold}s): concurrency {L.knee(pts, ttft_threshold)}")

@@ -25,6 +25,7 @@ class Target:
     base_url: str
     model: str  # the model id to send
     flags: str = ""
+    api: str = "chat"  # the endpoint chat payloads go to (mlxb.bench.load.APIS)
 
 
 def dataset_for(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int) -> L.Dataset:
@@ -82,7 +83,7 @@ async def _probe(t: Target, ds: L.Dataset, cell: Optional[Cell] = None) -> Optio
     first = ds.payloads[0] if ds.payloads else {**ds.conversations[0]["extra"], "messages": ds.conversations[0]["messages"]}
     whole = cell is not None and "json_schema_valid" in cell.gates
     probe = L.Dataset(ds.name, [dict(first, max_tokens=cell.output_len if whole else 2)])
-    res = await L.run_load(t.base_url, t.model, probe, concurrency=1, n_requests=1)
+    res = await L.run_load(t.base_url, t.model, probe, concurrency=1, n_requests=1, api=t.api)
     r = res[0]
     if not r.ok:
         return r.error or "failed"
@@ -124,7 +125,7 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                         summ_rows.append({**base, "status": "unsupported", "reason": unsupported[t.stack]})
                     else:
                         res = asyncio.run(L.run_load(t.base_url, t.model, ds, concurrency=conc, n_requests=n,
-                                                     ignore_eos=ignore_eos and t.stack == "mlxb", seed=seed))
+                                                     ignore_eos=ignore_eos and t.stack == "mlxb", seed=seed, api=t.api))
                         s = L.summarize(res)
                         gates = gate_results(cell, res)
                         status = "ok" if s["failed"] == 0 and all(gates.values()) else (

@@ -95,11 +95,69 @@ def summarize(results: list[RequestResult]) -> dict:
 
 
 # ---- one streamed request --------------------------------------------------------------------
+APIS = ("chat", "responses", "messages")  # the endpoint a chat payload goes to (OpenAI chat, OpenAI Responses, Anthropic)
+PASSTHROUGH = ("temperature", "top_p", "seed", "ignore_eos", "cache_prompt", "adapters")
+
+
+def shaped(payload: dict, api: str) -> tuple[str, dict]:
+    """(path, streaming body) of a chat-style ``payload`` for ``api``; completions payloads stay as they are."""
+    if "messages" not in payload or api == "chat":
+        chat = "messages" in payload
+        return ("/chat/completions" if chat else "/completions"), dict(payload, stream=True,
+                                                                      stream_options={"include_usage": True})
+    keep = {k: payload[k] for k in PASSTHROUGH + ("model",) if k in payload}
+    if api == "responses":
+        return "/responses", {**keep, "input": payload["messages"], "max_output_tokens": payload.get("max_tokens"),
+                              "stream": True}
+    system = "\n\n".join(m["content"] for m in payload["messages"] if m["role"] == "system")
+    rest = [m for m in payload["messages"] if m["role"] != "system"]
+    return "/messages", {**keep, **({"system": system} if system else {}), "messages": rest,
+                         "max_tokens": payload.get("max_tokens") or 256, "stream": True}
+
+
+def _piece_and_usage(api: str, chat: bool, chunk: dict, res: "RequestResult") -> tuple[list[str], Optional[dict], Optional[str]]:
+    """One SSE payload: (text pieces, usage as prompt/completion/cached tokens, error)."""
+    kind = chunk.get("type")
+    if api == "responses":
+        if kind == "response.output_text.delta":
+            return [chunk.get("delta", "")], None, None
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            r = chunk.get("response") or {}
+            u = r.get("usage") or {}
+            usage = {"prompt_tokens": u.get("input_tokens"), "completion_tokens": u.get("output_tokens"),
+                     "prompt_tokens_details": {"cached_tokens": (u.get("input_tokens_details") or {}).get("cached_tokens")}}
+            return [], usage, (str(r.get("error"))[:300] if kind == "response.failed" else None)
+        return [], None, (str(chunk.get("message") or chunk)[:300] if kind == "error" else None)
+    if api == "messages":
+        if kind == "content_block_delta" and (chunk.get("delta") or {}).get("type") == "text_delta":
+            return [chunk["delta"].get("text", "")], None, None
+        if kind == "message_delta":
+            u = chunk.get("usage") or {}
+            cached = u.get("cache_read_input_tokens") or 0
+            return [], {"prompt_tokens": (u.get("input_tokens") or 0) + cached, "completion_tokens": u.get("output_tokens"),
+                        "prompt_tokens_details": {"cached_tokens": cached}}, None
+        return [], None, (str(chunk.get("error"))[:300] if kind == "error" else None)
+    if chunk.get("error"):
+        return [], None, str(chunk["error"])[:300]
+    pieces = []
+    for ch in chunk.get("choices") or []:
+        lp = ch.get("logprobs") or {}
+        for entry in (lp.get("content") or []) if isinstance(lp, dict) else []:
+            res.logprob_tokens += 1
+            k = len(entry.get("top_logprobs") or [])
+            res.min_top_logprobs = k if res.min_top_logprobs is None else min(res.min_top_logprobs, k)
+        piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+        if piece:
+            pieces.append(piece)
+    return pieces, chunk.get("usage"), None
+
+
 async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict, index: int,
-                         api_key: Optional[str] = None, clock: Callable[[], float] = time.perf_counter) -> RequestResult:
+                         api_key: Optional[str] = None, clock: Callable[[], float] = time.perf_counter,
+                         api: str = "chat") -> RequestResult:
     chat = "messages" in payload
-    url = base_url.rstrip("/") + ("/chat/completions" if chat else "/completions")
-    body = dict(payload, stream=True, stream_options={"include_usage": True})
+    path, body = shaped(payload, api)
+    url = base_url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     res = RequestResult(index, clock())
     last = None
@@ -110,7 +168,8 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 try:
-                    text = json.loads(text)["error"]["message"]
+                    err = json.loads(text)["error"]
+                    text = err["message"] if isinstance(err, dict) else err
                 except Exception:
                     pass
                 res.error = f"HTTP {resp.status_code}: {text[:300]}"
@@ -122,16 +181,11 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if chunk.get("error"):
-                    res.error = str(chunk["error"])[:300]
+                pieces, usage, error = _piece_and_usage(api, chat, chunk, res)
+                if error:
+                    res.error = error
                     return res
-                for ch in chunk.get("choices") or []:
-                    lp = ch.get("logprobs") or {}
-                    for entry in (lp.get("content") or []) if isinstance(lp, dict) else []:
-                        res.logprob_tokens += 1
-                        k = len(entry.get("top_logprobs") or [])
-                        res.min_top_logprobs = k if res.min_top_logprobs is None else min(res.min_top_logprobs, k)
-                    piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                for piece in pieces:
                     if piece:
                         res.text += piece
                         now = clock()
@@ -141,7 +195,6 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict
                             res.itls.append(now - last)
                         last = now
                         counted += 1
-                usage = chunk.get("usage")
                 if usage:
                     res.prompt_tokens = usage.get("prompt_tokens")
                     res.completion_tokens = usage.get("completion_tokens") or 0
@@ -334,7 +387,7 @@ async def run_load(base_url: str, model: str, dataset: Dataset, *, concurrency: 
                    n_requests: Optional[int] = None, rate: Optional[float] = None, burstiness: float = 1.0,
                    duration: Optional[float] = None, ignore_eos: bool = False, api_key: Optional[str] = None,
                    seed: int = 0, on_done: Optional[Callable[[RequestResult], None]] = None,
-                   timeout: float = 600.0) -> list[RequestResult]:
+                   timeout: float = 600.0, api: str = "chat") -> list[RequestResult]:
     """One closed-loop (``concurrency``) or open-loop (``rate``) run against ``base_url``."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
@@ -345,14 +398,14 @@ async def run_load(base_url: str, model: str, dataset: Dataset, *, concurrency: 
             return p
 
         async def send(i: int) -> RequestResult:
-            return await stream_request(client, base_url, payload(i), i, api_key)
+            return await stream_request(client, base_url, payload(i), i, api_key, api=api)
 
         if dataset.conversations is not None:
             def conv_payload(p: dict, i: int):
                 p = dict(p, model=model)
                 if ignore_eos:
                     p["ignore_eos"] = True
-                return stream_request(client, base_url, p, i, api_key)
+                return stream_request(client, base_url, p, i, api_key, api=api)
 
             return await _conversations(conv_payload, dataset, concurrency or 1, n_requests or len(dataset), on_done)
 

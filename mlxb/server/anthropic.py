@@ -125,7 +125,7 @@ def to_chat(body: Any, count_only: bool = False) -> dict:
         _bad("max_tokens is required (an integer)", "max_tokens")
     chat = {"messages": _messages(body), "model": body.get("model"), "max_tokens": body["max_tokens"],
             "stream": bool(body.get("stream", False))}
-    for key in ("temperature", "top_p", "top_k"):
+    for key in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "cache_prompt", "adapters"):  # the last four: mlxb's
         if body.get(key) is not None:
             chat[key] = body[key]
     if body.get("stop_sequences") is not None:

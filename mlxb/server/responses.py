@@ -123,6 +123,7 @@ def to_chat(body: Any) -> tuple[dict, dict]:
                      ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"), ("stop", "stop"),
                      ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
                      ("repetition_penalty", "repetition_penalty"), ("cache_prompt", "cache_prompt"),
+                     ("ignore_eos", "ignore_eos"),
                      ("chat_template_kwargs", "chat_template_kwargs"), ("adapters", "adapters")):
         if body.get(src) is not None:
             chat[dst] = body[src]

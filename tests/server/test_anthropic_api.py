@@ -105,3 +105,21 @@ def test_count_tokens_is_what_the_message_uses(claude):
     n = claude.messages.count_tokens(**kw).input_tokens
     m = claude.messages.create(max_tokens=2, **kw)
     assert n > 10 and n == m.usage.input_tokens + m.usage.cache_read_input_tokens
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_the_load_client_streams_the_agent_apis_like_chat(live, api):
+    """`mlxb bench load --api`: the same payloads through /v1/responses or /v1/messages give the chat
+    endpoint's text, token counts and cached tokens (greedy, ignore_eos)."""
+    import asyncio
+
+    from mlxb.bench import load as L
+
+    ds = L.Dataset("t", [{"messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": f"Question {i}?"}], "max_tokens": 12} for i in range(3)])
+    runs = {a: asyncio.run(L.run_load(live.url + "/v1", "tiny-llama", ds, concurrency=1, n_requests=3,
+                                      ignore_eos=True, api=a)) for a in ("chat", api)}
+    for a, b in zip(runs["chat"], runs[api]):
+        assert a.ok and b.ok, (a.error, b.error)
+        assert b.text == a.text and b.completion_tokens == a.completion_tokens == 12
+        assert b.prompt_tokens == a.prompt_tokens and b.ttft is not None and len(b.itls) >= 10
