@@ -147,6 +147,8 @@ class Engine:
         self._inbox.put(("wake", None, None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                _wait_gone(self._thread)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         self.stop(timeout)
@@ -410,6 +412,21 @@ class Engine:
                     s.on_finished(rid, status)
                 self.trace.mark("retire")
             r.timing["deliver_s"] += time.perf_counter() - t_deliver
+
+
+def _wait_gone(thread: threading.Thread, limit: float = 2.0) -> None:
+    """Wait until a joined thread has really ended: its C++ thread-local state (MLX's per-thread compile
+    cache, which holds Python functions) is destroyed after ``join`` returns, and if the interpreter is
+    finalizing by then that destructor aborts the process. Linux shows it in /proc; elsewhere a short pause."""
+    import os
+
+    path = f"/proc/self/task/{thread.native_id}"
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.05)
+        return
+    t0 = time.monotonic()
+    while os.path.exists(path) and time.monotonic() - t0 < limit:
+        time.sleep(0.002)
 
 
 def _stop_at_exit(ref) -> None:
