@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|served1|lora
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -104,6 +104,12 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m /var/tmp/$m --spec lookup --batches ${BATCHES:-1,8} --context 512 --gen ${GEN:-128} \
       --repeats ${REPEATS:-3} --out "$OUT/bench-spec-ctl.json" 2>&1 | grep -v Warning | tail -14 ;;
+  compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
+    for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      timeout ${LIMIT:-200} python3 scripts/compile_step_probe.py /var/tmp/$m --gen ${GEN:-128} --repeats ${REPEATS:-3} 2>&1 \
+        | grep -v Warning | tee "$OUT/compile-step-$m.txt"
+    done ;;
   served1)  # a lone request served by mlxb serve against our in-process B=1 and mlx-lm (issue 19), then CUDA LoRA parity
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
