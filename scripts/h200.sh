@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install).
+# GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
+# what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
 # Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail

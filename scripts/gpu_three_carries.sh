@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The working tree (about 23 MB tracked) plus one of ../shared/gpu/prepare.sh's two 44 MB carries is over
+# the device tool's 64 MiB: re-split the MLX CUDA wheel into three ~30 MB parts after prepare.sh ran.
+#   bash ../shared/gpu/prepare.sh && bash scripts/gpu_three_carries.sh
+# then on the H200, one command each, while the machine stays warm:
+#   carry .whl/a:  bash .whl/a/stash.sh
+#   carry .whl/c:  bash .whl/c/stash.sh
+#   carry .whl/b:  source .whl/b/install.sh && <your command>
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)/.whl"
+[ -f a/mlx_cuda.part.0 ] && [ -f b/mlx_cuda.part.1 ] || { echo "run ../shared/gpu/prepare.sh first"; exit 2; }
+cat a/mlx_cuda.part.0 b/mlx_cuda.part.1 > /tmp/mlx_cuda_whole.whl
+echo "$(cat b/mlx_cuda.sha256)  /tmp/mlx_cuda_whole.whl" | sha256sum -c --quiet -
+rm a/mlx_cuda.part.0 b/mlx_cuda.part.1
+split -b 30000000 -d -a 1 /tmp/mlx_cuda_whole.whl /tmp/mlx_cuda_part.
+mkdir -p c
+mv /tmp/mlx_cuda_part.0 a/mlx_cuda.part.0
+mv /tmp/mlx_cuda_part.1 c/mlx_cuda.part.1
+mv /tmp/mlx_cuda_part.2 b/mlx_cuda.part.2
+rm /tmp/mlx_cuda_whole.whl
+cat > c/stash.sh <<'EOS'
+#!/usr/bin/env bash
+set -eu
+mkdir -p /var/tmp/mlxb-stash
+cp .whl/c/mlx_cuda.part.1 /var/tmp/mlxb-stash/
+echo "stashed part 1; now the install command (carry .whl/b)"
+EOS
+chmod +x c/stash.sh
+sed -i 's|cat "$p0" .whl/b/mlx_cuda.part.1 > "$w"|cat "$p0" /var/tmp/mlxb-stash/mlx_cuda.part.1 .whl/b/mlx_cuda.part.2 > "$w"|' b/install.sh
+grep -q 'mlx_cuda.part.2' b/install.sh || { echo "install.sh was not rewritten"; exit 3; }
+du -sh a b c
