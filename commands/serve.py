@@ -86,6 +86,11 @@ def serve(
                   f"mode={gw.engine.mode} (batch {batch})"
                   + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else "")
                   + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}"))
+    console.print("APIs: /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages (Anthropic), "
+                  "/v1/models; /health /stats /metrics")
+    if compile_decode or compile_batch:
+        console.print("compiled decode: " + ("lone rows and batch steps" if compile_batch else "lone rows")
+                      + " (checked bit for bit against the plain step at start-up)")
     tf = gw.tool_format
     console.print(f"tool calls: parsed with mlx-lm's {tf.name} parser ({tf.start} ... {tf.end})" if tf.on else
                   "tool calls: off for this model (its chat template has no format mlx-lm knows); tools are still "
