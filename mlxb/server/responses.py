@@ -54,10 +54,10 @@ def _messages(body: dict) -> list[dict]:
             if role not in ROLES:
                 _bad(f"{where}.role {role!r} is not one of {', '.join(ROLES)}", "input")
             msgs.append({"role": role, "content": _text(it.get("content", ""), where)})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
-                _bad(f"{where}: a function_call needs name and call_id", "input")
-            args = it.get("arguments", "{}")
+                _bad(f"{where}: a {kind} needs name and call_id", "input")
+            args = it.get("arguments", "{}") if kind == "function_call" else json.dumps({"input": it.get("input", "")})
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
             last = msgs[-1] if msgs else None
@@ -65,9 +65,9 @@ def _messages(body: dict) -> list[dict]:
                 last.setdefault("tool_calls", []).append(call)    # one assistant message, as in chat
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(it.get("call_id"), str):
-                _bad(f"{where}: a function_call_output needs call_id", "input")
+                _bad(f"{where}: a {kind} needs call_id", "input")
             out = it.get("output", "")
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
                          "content": out if isinstance(out, str) else _text(out, where)})
@@ -75,21 +75,32 @@ def _messages(body: dict) -> list[dict]:
             continue  # no reasoning is kept between turns here
         else:
             _bad(f"{where}: input items of type {kind!r} are not supported (messages, function_call, "
-                 "function_call_output)", "input")
+                 "function_call_output, custom_tool_call, custom_tool_call_output)", "input")
     return msgs
 
 
+FREEFORM = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+            "additionalProperties": False}  # a custom tool's raw text, as the one argument of a function
+
+
 def _tool(i: int, t: Any) -> dict:
-    if not isinstance(t, dict) or t.get("type") != "function":
-        _bad(f"tools[{i}]: only function tools are served here (got {t.get('type') if isinstance(t, dict) else t!r})",
-             "tools")
+    kind = t.get("type") if isinstance(t, dict) else t
+    if kind == "custom" and isinstance(t.get("name"), str):  # freeform input (Codex's apply_patch): one string
+        note = "Its whole input is free text, given as the string argument `input`."
+        return {"name": t["name"], "description": f"{t.get('description', '')} {note}".strip(), "parameters": FREEFORM}
+    if kind != "function":
+        _bad(f"tools[{i}]: only function and custom tools are served here (got {kind!r})", "tools")
     return {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+
+
+def _custom_names(body: dict) -> set:
+    return {t["name"] for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "custom"}
 
 
 def _tool_choice(choice: Any) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         return {"type": "function", "function": {"name": choice.get("name")}}
     _bad("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", "tool_choice")
 
@@ -144,7 +155,7 @@ def to_chat(body: Any) -> tuple[dict, dict]:
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": body.get("tools") or [],
             "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "metadata": body.get("metadata") or {}, "text": body.get("text") or {"format": {"type": "text"}},
-            "store": False, "stream": chat["stream"], "user": body.get("user")}
+            "store": False, "stream": chat["stream"], "user": body.get("user"), "custom_tools": _custom_names(body)}
     return chat, echo
 
 
@@ -172,7 +183,7 @@ class Builder:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
                 "model": self.model, "output": self.output, "usage": self.usage, "error": self.error,
                 "incomplete_details": self.incomplete, "output_text": self.output_text(),
-                **{k: v for k, v in self.echo.items() if k != "stream"}}
+                **{k: v for k, v in self.echo.items() if k not in ("stream", "custom_tools")}}
 
     def output_text(self) -> str:
         return "".join(p["text"] for it in self.output if it["type"] == "message" for p in it["content"])
@@ -217,8 +228,12 @@ class Builder:
     def _calls(self, calls: list[dict]) -> list[dict]:
         evs = self._close_message()
         for c in calls:
+            name, args = c["function"]["name"], c["function"]["arguments"]
+            if name in self.echo.get("custom_tools", ()):
+                evs += self._custom_call(c["id"], name, args)
+                continue
             item = {"id": _new("fc"), "type": "function_call", "status": "completed", "call_id": c["id"],
-                    "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                    "name": name, "arguments": args}
             self.output.append(item)
             i = len(self.output) - 1
             evs += [self._ev("response.output_item.added", output_index=i,
@@ -229,6 +244,21 @@ class Builder:
                              arguments=item["arguments"], name=item["name"]),
                     self._ev("response.output_item.done", output_index=i, item=item)]
         return evs
+
+    def _custom_call(self, call_id: str, name: str, args: str) -> list[dict]:
+        """A custom tool's call: its ``input`` text, not JSON arguments."""
+        try:
+            text = json.loads(args).get("input", args) if args else ""
+        except (ValueError, AttributeError):
+            text = args
+        item = {"id": _new("ctc"), "type": "custom_tool_call", "status": "completed", "call_id": call_id, "name": name,
+                "input": text if isinstance(text, str) else json.dumps(text)}
+        self.output.append(item)
+        i = len(self.output) - 1
+        return [self._ev("response.output_item.added", output_index=i, item={**item, "input": "", "status": "in_progress"}),
+                self._ev("response.custom_tool_call_input.delta", item_id=item["id"], output_index=i, delta=item["input"]),
+                self._ev("response.custom_tool_call_input.done", item_id=item["id"], output_index=i, input=item["input"]),
+                self._ev("response.output_item.done", output_index=i, item=item)]
 
     def feed(self, text: str, lps: Optional[list] = None) -> list[dict]:
         parts = self.calls.feed(text) if self.calls is not None else [("content", text)]

@@ -100,3 +100,46 @@ def test_what_it_cannot_do_is_a_4xx_naming_the_field(live, extra, param):
     body = {"model": "tiny-llama", "input": "hi", "max_output_tokens": 2, **extra}
     r = httpx.post(live.url + "/v1/responses", json=body)
     assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "apply a patch"}
+
+
+def test_custom_tools_round_trip_as_freeform_calls(sdk):
+    """Codex-style custom tools: in history a custom_tool_call / custom_tool_call_output pair is the chat
+    path's tool call with one string argument; the model's calls come back as custom_tool_call items."""
+    from mlxb.server.responses import FREEFORM
+
+    r = sdk.responses.create(model="tiny-llama", tools=[PATCH_TOOL], max_output_tokens=8, input=[
+        {"role": "user", "content": "Fix it."},
+        {"type": "custom_tool_call", "call_id": "call_9", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "call_9", "output": "applied"}])
+    fn = {"name": "apply_patch", "description": "apply a patch Its whole input is free text, given as the string "
+                                                "argument `input`.", "parameters": FREEFORM}
+    want = chat_text(sdk, [{"role": "user", "content": "Fix it."},
+                           {"role": "assistant", "content": None, "tool_calls": [
+                               {"id": "call_9", "type": "function",
+                                "function": {"name": "apply_patch", "arguments": json.dumps({"input": "*** Begin Patch"})}}]},
+                           {"role": "tool", "tool_call_id": "call_9", "content": "applied"}], 8,
+                     tools=[{"type": "function", "function": fn}])
+    assert r.output_text == want
+
+
+def test_a_custom_tool_call_is_shaped_as_its_input_text(live):
+    from mlxb.server.responses import Builder, to_chat
+    from mlxb.server.toolcalls import ToolCallStream
+
+    body, echo = to_chat({"model": "tiny-llama", "input": "x", "tools": [PATCH_TOOL, ENUM_TOOL], "stream": True})
+    fmt = live.gw.tool_format
+    b = Builder(echo, "tiny-llama", ToolCallStream(fmt, body["tools"]))
+    text = (f'{fmt.start}\n{{"name": "apply_patch", "arguments": {{"input": "*** Begin Patch\\nok"}}}}\n{fmt.end}'
+            f'{fmt.start}\n{{"name": "pick", "arguments": {{"side": "left"}}}}\n{fmt.end}')
+    evs = b.start() + b.feed(text[:17]) + b.feed(text[17:]) + b.finish("stop", {"prompt_tokens": 3, "completion_tokens": 9,
+                                                                                 "total_tokens": 12})
+    kinds = [e["type"] for e in evs]
+    assert "response.custom_tool_call_input.done" in kinds and "response.function_call_arguments.done" in kinds
+    out = b.response()["output"]
+    assert [o["type"] for o in out] == ["custom_tool_call", "function_call"]
+    assert out[0]["input"] == "*** Begin Patch\nok" and out[0]["name"] == "apply_patch"
+    assert json.loads(out[1]["arguments"]) == {"side": "left"} and b.status == "completed"
+    assert "custom_tools" not in b.response()
