@@ -37,43 +37,40 @@ GROW = 256  # buffer growth in tokens: a new trace every GROW steps; mask reads 
 
 
 class BufferKV:
-    """A ``KVCache`` stand-in inside the trace: fixed-capacity buffers, offset as an array."""
+    """A ``KVCache`` stand-in inside the trace: fixed-capacity buffers, the write position (and RoPE's
+    offset) as an array."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, late: bool = False):
-        self.keys, self.values, self.offset = keys, values, offset
+        self.keys, self.values, self.offset, self.write = keys, values, offset, offset
         self._late = late  # planted fault (parity negative control): the mask hides the row's newest key
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.keys = mx.slice_update(self.keys, keys, self.offset[None], axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.offset[None], axes=(2,))
-        return self.keys, self.values
-
-    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
-        if n != 1 or window_size is not None:
-            raise ValueError("the compiled step runs one token through full-attention layers only")
-        pos = mx.arange(self.keys.shape[2])
-        return pos < self.offset if self._late else pos <= self.offset
-
-
-class BatchBufferKV(BufferKV):
-    """The batch lane's full-attention layer inside the trace: rows write at the shared buffer index
-    ``idx``, RoPE takes each row's ``offset``, and the mask hides each row's left padding."""
-
-    def __init__(self, keys, values, idx, offset, left_padding, late: bool = False):
-        super().__init__(keys, values, idx, late)
-        self.write, self.offset, self.left_padding = idx, offset, left_padding
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.keys = mx.slice_update(self.keys, keys, self.write[None], axes=(2,))
         self.values = mx.slice_update(self.values, values, self.write[None], axes=(2,))
         return self.keys, self.values
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+    def _visible(self, n: int, window_size: Optional[int]) -> mx.array:
+        """Buffer positions up to the one just written (the whole graph reads the whole buffer)."""
         if n != 1 or window_size is not None:
             raise ValueError("the compiled step runs one token through full-attention layers only")
         pos = mx.arange(self.keys.shape[2])
-        upto = pos < self.write if self._late else pos <= self.write
-        return ((pos[None] >= self.left_padding[:, None]) & upto[None])[:, None, None, :]
+        return pos < self.write if self._late else pos <= self.write
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        return self._visible(n, window_size)
+
+
+class BatchBufferKV(BufferKV):
+    """The batch lane's full-attention layer inside the trace: rows write at the shared buffer index
+    ``idx``, RoPE takes each row's ``offset``, and the mask also hides each row's left padding."""
+
+    def __init__(self, keys, values, idx, offset, left_padding, late: bool = False):
+        super().__init__(keys, values, idx, late)
+        self.offset, self.left_padding = offset, left_padding
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Optional[int] = None):
+        upto = self._visible(n, window_size)
+        return ((mx.arange(self.keys.shape[2])[None] >= self.left_padding[:, None]) & upto[None])[:, None, None, :]
 
 
 def why_not(model, kinds: list, *, lora=None, tp: bool = False) -> Optional[str]:
