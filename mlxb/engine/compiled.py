@@ -33,6 +33,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxb.cache.protocol import AlignedBatchKVCache
+
 GROW = 256  # buffer growth in tokens: a new trace every GROW steps; mask reads at most GROW - 1 spare keys
 
 
@@ -90,8 +92,8 @@ def why_not(model, kinds: list, *, lora=None, tp: bool = False) -> Optional[str]
 class CompiledDecode:
     """One compiled [1, 1] step for a lone row on ``KVCache`` layers; counts its steps and traces."""
 
-    def __init__(self, model, fault: bool = False):
-        self.model, self.fault = model, fault
+    def __init__(self, model, fault: bool = False, batch: bool = False):
+        self.model, self.fault, self.batch_lane = model, fault, batch  # batch: --compile-batch
         self.steps = self.batch_steps = 0
         self.shapes: set = set()  # (rows, buffer capacity) traced so far
         self._fn = mx.compile(self._step)
@@ -112,17 +114,15 @@ class CompiledDecode:
         logits = self.model(tok[:, None], cache=caches)[:, -1, :]
         return (logits, *[a for c in caches for a in (c.keys, c.values)])
 
-    @staticmethod
-    def serves(caches: list) -> bool:
-        return bool(caches) and all(type(c) is KVCache and c.keys is not None for c in caches)
-
-    @staticmethod
-    def serves_batch(caches: list) -> bool:
-        """The batch lane's plain full-attention layers, with no speculative holes in them."""
-        from mlxb.cache.protocol import AlignedBatchKVCache
-
-        return bool(caches) and all(type(c) is AlignedBatchKVCache and c.keys is not None and c.holes is None
-                                    for c in caches)
+    def step(self, tokens: mx.array, caches: list, merged: bool) -> Optional[mx.array]:
+        """The step's logits if this step can run compiled (a lone row on ``KVCache`` layers, or with
+        ``batch`` a batch of plain full-attention layers without speculative holes), else None."""
+        if not merged:
+            ok = bool(caches) and all(type(c) is KVCache and c.keys is not None for c in caches)
+            return self(tokens, caches) if ok else None
+        ok = self.batch_lane and bool(caches) and all(
+            type(c) is AlignedBatchKVCache and c.keys is not None and c.holes is None for c in caches)
+        return self.batch(tokens, caches) if ok else None
 
     def batch(self, tokens: mx.array, caches: list) -> mx.array:
         """Logits [B, V] of one step of the batch lane's ``caches``, which it advances as

@@ -9,26 +9,25 @@ request runs and admission resumes (drain, never starve).
 
 from __future__ import annotations
 
-import atexit
 import copy
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlxb.cache.kv_plan import kv_stats
 from mlxb.cache.protocol import kv_projection, layer_kinds
 from mlxb.engine.delivery import Delivery, Live
+from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
 from mlxb.engine.serial import SHUTTING_DOWN, run_serial
 from mlxb.engine.stream import OutputStream, Outbox
+from mlxb.engine.threads import release_thread_state, stop_at_exit, wait_gone
 from mlxb.engine.trace import IterationTrace
 from mlxb.errors import EngineFailure, EngineUnavailableError
 from mlxb.request import Request, RequestStatus
@@ -67,7 +66,7 @@ class Engine:
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         # NOTE: the runner first: under --tp it is announced to the other ranks before the forward below
         self.runner = runner_cls(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
-                                 special_tokens=sorted(self.eos_ids), **({"compile_decode": compile_decode} if compile_decode else {}))
+                                 special_tokens=sorted(self.eos_ids), compile_decode=compile_decode)
         self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
         if self.projection is not None and spec is not None and spec.draft_model is not None:
             from mlxb.engine.outputs import KVProjection
@@ -116,7 +115,7 @@ class Engine:
 
     def start(self) -> "Engine":
         self._thread.start()
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        stop_at_exit(self)
         return self
 
     @property
@@ -148,7 +147,7 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
             if not self._thread.is_alive():
-                _wait_gone(self._thread)
+                wait_gone(self._thread)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         self.stop(timeout)
@@ -161,40 +160,10 @@ class Engine:
         self._inbox.put(("die", None, None))
 
     def stats(self) -> dict:
-        s = self.scheduler
-        return {
-            "configured": self.max_batch,
-            "mode": self.mode,
-            "batched": self.runner.merged,
-            "active_rows": len(s.running) + len(s.prefilling),
-            "pending_rows": len(s.waiting) + len(self._serial),
-            "submitted_rows": s.num_submitted,
-            "kv_bytes": self.runner.kv_bytes,
-            "kv_projected_bytes": s.used_bytes,
-            "kv_budget_bytes": s.kv_budget,
-            **self.counters,
-            "attention_kernels": self.attention_kernels,
-            **kv_stats(self.kv_scheme),
-            "speculation": self.spec_stats(),
-            "lora": self.runner.lora.stats() if self.runner.lora is not None else None,
-            "tensor_parallel": getattr(self.runner, "tp_stats", lambda: None)(),
-            "compiled_decode": self.runner.compiled.stats() if getattr(self.runner, "compiled", None) else None,
-            "step_timing": self.step_timing(),
-            "prompt_cache": self.prompt_cache_stats(),
-        }
+        return engine_stats(self)
 
     def spec_stats(self) -> Optional[dict]:
-        """--spec: the method, whether it runs on this model (and why not), drafted / accepted tokens."""
-        r = self.runner
-        if r.spec is None:
-            return None
-        c, sp = r.spec_counts, r.spec
-        off = r.spec_off or ("--batch 1 is the strict serial lane (mlx-lm's generate_step); speculation runs on "
-                             "the batch lane" if self.max_batch == 1 else None)
-        acc = round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None
-        return {"method": sp.method, "draft_model": sp.draft_name, "max_batch": sp.max_batch, "adaptive": sp.adaptive,
-                "num_draft_tokens": sp.num_draft_tokens, "active": off is None, "off_reason": off, "acceptance": acc,
-                **{k: c[k] for k in ("verify_steps", "drafted", "accepted")}, "verify_cost_plain_steps": round(r.step_cost.ratio, 3)}
+        return spec_stats(self)
 
     @property
     def prompt_cache(self):
@@ -209,14 +178,7 @@ class Engine:
         return self.reuse.stats()
 
     def step_timing(self) -> dict:
-        """Mean host time per decode step (ms) by phase, from the runner's summed timings."""
-        t = dict(self.runner.timing)
-        n = t.get("steps", 0)
-        out = {"steps": int(n), "mean_rows": (t.get("rows", 0) / n) if n else 0.0}
-        for k in ("build_s", "launch_s", "wait_s", "emit_s", "deliver_s"):
-            out[k.replace("_s", "_ms")] = 1000 * t.get(k, 0.0) / n if n else 0.0
-        out["prefill_s_total"] = t.get("prefill_s", 0.0)
-        return out
+        return step_timing(self.runner)
 
     # ---- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -228,12 +190,7 @@ class Engine:
             with mx.stream(self._stream):
                 self._loop_body()
         finally:
-            compiled = getattr(self.runner, "compiled", None)
-            if compiled is not None:
-                # NOTE: MLX keeps compiled traces per thread, and their Python functions with them: left
-                # to the thread's exit they were destroyed while the interpreter finalized, and the process
-                # aborted ("terminate called without an active exception", exit 134) one time in three
-                compiled.release()
+            release_thread_state(self.runner)
 
     def _loop_body(self) -> None:
         try:
@@ -413,25 +370,3 @@ class Engine:
                 self.trace.mark("retire")
             r.timing["deliver_s"] += time.perf_counter() - t_deliver
 
-
-def _wait_gone(thread: threading.Thread, limit: float = 2.0) -> None:
-    """Wait until a joined thread has really ended: its C++ thread-local state (MLX's per-thread compile
-    cache, which holds Python functions) is destroyed after ``join`` returns, and if the interpreter is
-    finalizing by then that destructor aborts the process. Linux shows it in /proc; elsewhere a short pause."""
-    import os
-
-    path = f"/proc/self/task/{thread.native_id}"
-    if not os.path.isdir("/proc/self/task"):
-        time.sleep(0.05)
-        return
-    t0 = time.monotonic()
-    while os.path.exists(path) and time.monotonic() - t0 < limit:
-        time.sleep(0.002)
-
-
-def _stop_at_exit(ref) -> None:
-    """An engine still running when the interpreter exits (a library user who never called shutdown):
-    its daemon thread would be torn down inside MLX, which aborts the process (exit 134); stop it first."""
-    eng = ref()
-    if eng is not None and eng._thread.is_alive():
-        eng.stop(timeout=10.0)

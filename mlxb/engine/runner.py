@@ -36,7 +36,7 @@ from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
 from mlxb.engine.grammar import apply_row_masks
-from mlxb.engine.sampler import RowSampler, sample_rows
+from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
 from mlxb.engine.spec import RowSpec, StepCost, row_spec, setup, decode as spec_decode
 from mlxb.request import Request, TokenLogprob
 
@@ -105,9 +105,7 @@ class Runner:
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
         self.lora = getattr(model, "mlxb_lora", None)  # mlxb.engine.lora.LoRAContext when --adapters
         self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.engine.tp)
-        # --compile-decode: a lone row's plain steps as one compiled graph (mlxb.engine.compiled)
-        self.compiled = CompiledDecode(model, fault="compiled_mask_late" in faults) if compile_decode else None
-        self.compile_batch = compile_decode == "all"
+        self.compiled = CompiledDecode(model, "compiled_mask_late" in faults, compile_decode == "all") if compile_decode else None
 
     def idle(self) -> None:
         """The engine has nothing to run (``mlxb.engine.tp.TPRunner`` pings the other ranks)."""
@@ -170,20 +168,8 @@ class Runner:
         if row.sampler.constraint is not None:  # the matcher sees each token once, in order
             row.sampler.constraint.advance(row.tokens)
             done = row.sampler.constraint.done
-        info = None
-        if logprobs is not None:
-            need_vec = self.capture is not None or row.req.sampling.top_logprobs > 0
-            if need_vec:
-                vec = np.array(logprobs.reshape(-1).astype(mx.float32))
-                if self.capture is not None:
-                    self.capture(row.req.request_id, step, token, vec, geo)
-                if row.req.sampling.logprobs or row.req.sampling.top_logprobs:
-                    k = row.req.sampling.top_logprobs
-                    top = np.argsort(-vec, kind="stable")[:k] if k else []
-                    info = TokenLogprob(token, float(vec[token]), [(int(t), float(vec[t])) for t in top])
-            elif row.req.sampling.logprobs:
-                info = TokenLogprob(token, float(logprobs.reshape(-1)[token].item()))
-        return Emitted(row, token, info, done)
+        cap = None if self.capture is None else (lambda vec: self.capture(row.req.request_id, step, token, vec, geo))
+        return Emitted(row, token, token_logprob(row.req.sampling, token, logprobs, cap), done)
 
     def prefill_cohort(self, rows: list[Row], starts: Optional[list[int]] = None,
                        snapshot: Optional[Callable[[int, list], None]] = None) -> tuple[list, list[Emitted]]:
@@ -287,11 +273,8 @@ class Runner:
             for c in self.caches:  # planted bug: one RoPE offset for every row
                 if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
                     c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
-        if self.compiled is not None and self.lora is None and not self.merged and CompiledDecode.serves(self.caches):
-            logits = self.compiled(inputs, self.caches)
-        elif self.compile_batch and self.lora is None and self.merged and CompiledDecode.serves_batch(self.caches):
-            logits = self.compiled.batch(inputs, self.caches)
-        else:
+        logits = self.compiled.step(inputs, self.caches, self.merged) if self.compiled and self.lora is None else None
+        if logits is None:  # (--compile-decode: the steps it can run compiled, mlxb.engine.compiled)
             logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]
         if self.kv is not None and not self.merged:  # a lone adopted row converts as generate_step does
             off = next((c.offset for c, k in zip(self.caches, self.kinds) if k == "full"), 0)

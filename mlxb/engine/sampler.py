@@ -11,11 +11,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlxb.request import SamplingParams
+from mlxb.request import SamplingParams, TokenLogprob
 
 _unseeded = itertools.count((int(time.time_ns()) ^ os.getpid()) & 0x7FFFFFFF)
 
@@ -106,3 +108,19 @@ def sample_rows(rows: list, inputs: mx.array, logits: mx.array, masked: bool = F
         toks.append(tok.reshape(1))
         lps.append(lp)
     return mx.concatenate(toks), lps
+
+
+def token_logprob(sp: SamplingParams, token: int, logprobs: Optional[mx.array], capture=None) -> Optional[TokenLogprob]:
+    """An emitted token's logprob record, with the top ``sp.top_logprobs`` alternatives when asked;
+    ``capture(vector)`` (parity) receives the whole float32 logprob vector."""
+    if logprobs is None:
+        return None
+    if capture is None and not sp.top_logprobs:  # one value, no host copy of the vector
+        return TokenLogprob(token, float(logprobs.reshape(-1)[token].item())) if sp.logprobs else None
+    vec = np.array(logprobs.reshape(-1).astype(mx.float32))
+    if capture is not None:
+        capture(vec)
+    if not (sp.logprobs or sp.top_logprobs):
+        return None
+    top = np.argsort(-vec, kind="stable")[:sp.top_logprobs] if sp.top_logprobs else []
+    return TokenLogprob(token, float(vec[token]), [(int(t), float(vec[t])) for t in top])

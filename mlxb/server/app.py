@@ -11,6 +11,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 from starlette.applications import Starlette
@@ -22,8 +23,7 @@ from mlxb.engine.gateway import Gateway
 from mlxb.errors import MlxbError, ModelNotFoundError, ValidationError
 from mlxb.server import protocol as P
 from mlxb.server.metrics import Metrics
-from mlxb.server import anthropic as A
-from mlxb.server import responses as R
+from mlxb.server.agent_routes import agent_routes
 from mlxb.server.toolcalls import ToolCallStream
 from mlxb.server.toolcalls import split as split_tool_calls
 
@@ -249,117 +249,6 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                     gw.cancel(req.request_id)
                     metrics.requests.labels(kind, "disconnected").inc()
 
-    async def start_chat(body: dict):
-        """A translated request (Responses, Messages) on the chat path: (row, stream, options)."""
-        inp, opts = P.parse(body, chat=True, default_max_tokens=gw.default_max_tokens)
-        inp.adapter = _adapter(opts)
-        req, stream = gw.submit(inp, loop=asyncio.get_running_loop())
-        metrics.prompt_tokens.inc(req.num_prompt_tokens)
-        return req, stream, opts
-
-    def tool_stream(opts):
-        return ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
-
-    def typed_sse(req, stream, first: list, step, kind: str):
-        """Server-sent typed events (``event: TYPE``): ``first``, then ``step(output)``'s for each output."""
-        async def gen():
-            finished = False
-            try:
-                for ev in first:
-                    yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
-                async for out in stream:
-                    observe(out, None)
-                    evs = step(out)
-                    finished = out.finish_reason is not None
-                    for ev in evs:
-                        yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
-            finally:
-                if not finished:  # the client went away mid-stream: free the row within one step
-                    gw.cancel(req.request_id)
-                    metrics.requests.labels(kind, "disconnected").inc()
-
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def engine_error(last) -> Optional[MlxbError]:
-        if last.finish_reason != "error":
-            return None
-        return last.error if isinstance(last.error, MlxbError) else MlxbError(str(last.error))
-
-    async def responses_route(request: Request):
-        """POST /v1/responses: OpenAI's Responses API over the chat path (``mlxb.server.responses``)."""
-        try:
-            check_auth(request)
-            body, echo = R.to_chat(await read_json(request))
-            req, stream, opts = await start_chat(body)
-        except MlxbError as e:
-            metrics.requests.labels("responses", f"http_{e.status}").inc()
-            return err(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        b = R.Builder(echo, opts["model"] or gw.model_name, tool_stream(opts))
-
-        def lps(out):
-            return P.logprobs_chat(gw.tokenizer, [out])["content"] if opts["logprobs"] and out.logprob else []
-
-        def end(last):
-            metrics.requests.labels("responses", last.finish_reason or "error").inc()
-            return b.finish(last.finish_reason, last.usage, engine_error(last))
-
-        if not echo["stream"]:
-            outs, last = await drain(req, stream)
-            for o in outs:
-                b.feed(o.text or "", lps(o))
-            end(last)
-            return JSONResponse(b.response(), status_code=500 if b.status == "failed" else 200)
-        return typed_sse(req, stream, b.start(),
-                         lambda out: b.feed(out.text or "", lps(out)) + (end(out) if out.finish_reason else []),
-                         "responses")
-
-    async def messages_route(request: Request):
-        """POST /v1/messages: Anthropic's Messages API over the chat path (``mlxb.server.anthropic``)."""
-        try:
-            check_auth(request)
-            body = A.to_chat(await read_json(request))
-            req, stream, opts = await start_chat(body)
-        except MlxbError as e:
-            metrics.requests.labels("messages", f"http_{e.status}").inc()
-            return JSONResponse(A.error_body(e), status_code=e.status)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        b = A.Builder(opts["model"] or gw.model_name, tool_stream(opts), req.num_prompt_tokens)
-
-        def end(last):
-            metrics.requests.labels("messages", last.finish_reason or "error").inc()
-            e = engine_error(last)
-            if e is not None:
-                return [A.error_body(e)]
-            return b.finish(last.finish_reason, last.usage, last.stop_sequence)
-
-        if not opts["stream"]:
-            outs, last = await drain(req, stream)
-            for o in outs:
-                b.feed(o.text or "")
-            e = engine_error(last)
-            if e is not None:
-                metrics.requests.labels("messages", "error").inc()
-                return JSONResponse(A.error_body(e), status_code=500 if e.status < 500 else e.status)
-            end(last)
-            return JSONResponse(b.message())
-        return typed_sse(req, stream, b.start(),
-                         lambda out: b.feed(out.text or "") + (end(out) if out.finish_reason else []), "messages")
-
-    async def count_tokens_route(request: Request):
-        """POST /v1/messages/count_tokens: the prompt's tokens under the chat template, tools included."""
-        try:
-            check_auth(request)
-            inp, opts = P.parse(A.to_chat(await read_json(request), count_only=True), chat=True,
-                                default_max_tokens=gw.default_max_tokens)
-            _adapter(opts)
-            return JSONResponse({"input_tokens": len(gw.tokenize(inp))})
-        except MlxbError as e:
-            return JSONResponse(A.error_body(e), status_code=e.status)
-
     async def chat_route(request: Request):
         return await completions(request, chat=True)
 
@@ -415,9 +304,8 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         Route("/v1/chat/completions", chat_route, methods=["POST"]),
         Route("/chat/completions", chat_route, methods=["POST"]),
         Route("/v1/completions", completions_route, methods=["POST"]),
-        Route("/v1/responses", responses_route, methods=["POST"]),
-        Route("/v1/messages", messages_route, methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
+        *agent_routes(gw, SimpleNamespace(check_auth=check_auth, read_json=read_json, adapter=_adapter, drain=drain,
+                                          observe=observe, metrics=metrics)),
         Route("/v1/models", models_route, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
