@@ -20,7 +20,8 @@ from mlxb.parity.protocol import MIN_SHARED, Case, step_record
 from mlxb.request import Request, SamplingParams
 
 
-def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), runner_cls=None) -> dict:
+def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), runner_cls=None,
+               compile_decode=False) -> dict:
     records: dict[int, list] = {i: [] for i in range(len(case.rows))}
 
     def capture(rid: str, step: int, token: int, vec, geo) -> None:
@@ -43,7 +44,7 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                           adaptive=False)
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,
                  join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme,
-                 spec=spec, **({"runner_cls": runner_cls} if runner_cls else {}))
+                 spec=spec, compile_decode=compile_decode, **({"runner_cls": runner_cls} if runner_cls else {}))
     disk = tempfile.TemporaryDirectory() if case.prefix else None
     if case.prefix and hasattr(eng.runner, "link"):  # --tp: rank 0's cache names each entry to the other ranks
         from mlxb.engine.tp_cache import MirroredPromptCache  # (RAM only: the SSD round trip keeps every entry)

@@ -208,7 +208,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
     from mlxb.models import load_model
     from mlxb.parity.driver import run_engine
 
-    runner_cls = partial(Runner, compile_decode="all") if compile_decode else Runner
+    runner_cls = Runner
     if tp is not None:
         from mlxb.engine.tp import TPRunner, shard_model
 
@@ -235,7 +235,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
             else:
                 m, tok = loaded[(c.model, c.dtype)]
             rc = runner_cls if tp is None or not c.lora else partial(runner_cls, lora_recipes=c.lora["adapters"])
-            out.append(run_engine(m, tok, c, faults, rc))
+            out.append(run_engine(m, tok, c, faults, rc, compile_decode="all" if compile_decode else False))
         except Exception as e:  # the case fails alone; the others still run
             out.append({"records": {}, "schedule_mismatch": None, "error": f"{type(e).__name__}: {e}"[:300]})
         if progress:
