@@ -12,7 +12,11 @@ before step t's token is read):
 
 * ``plain``: mlx-lm's ``KVCache`` (sliced read, no mask), the model called per step;
 * ``compiled``: the step above under ``mx.compile``;
-* ``masked``: the same step without ``mx.compile`` (what the mask alone costs).
+* ``masked``: the same step without ``mx.compile`` (what the mask alone costs);
+* ``exact`` (``--exact``): a ``shapeless`` compiled step whose KV grows by concatenation, so
+  attention reads exactly the row's keys, unmasked, through the kernel mlx-lm's step takes (one
+  trace for every length; the cost is a copy of the row's KV per step). Needs RoPE as a primitive,
+  so it traces on GPU backends only (on the CPU MLX builds RoPE from slices).
 
 Prints ms per token (median over repeats, min-max) and whether greedy tokens and logprob vectors
 equal the plain arm's.
@@ -43,6 +47,56 @@ class BufferKV:
 
     def make_mask(self, n, return_array=False, window_size=None):
         return mx.arange(self.keys.shape[2]) <= self.offset
+
+
+class CatKV:
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, k, v):
+        self.keys = mx.concatenate([self.keys, k], axis=2)
+        self.values = mx.concatenate([self.values, v], axis=2)
+        return self.keys, self.values
+
+    def make_mask(self, n, return_array=False, window_size=None):
+        return None
+
+
+def exact_fn(model, n_layers):
+    def step(tok, off, *kv):
+        caches = [CatKV(kv[2 * i], kv[2 * i + 1]) for i in range(n_layers)]
+        for c in caches:
+            c.offset = off
+        logits = model(tok[None], cache=caches)  # [1, 1, V]: a slice would not trace shapeless
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        out = [lp, mx.argmax(lp, axis=-1).astype(mx.uint32)]
+        for c in caches:
+            out += [c.keys, c.values]
+        return tuple(out)
+    return step
+
+
+def run_exact(model, prompt, gen, fn):
+    cache = prefill(model, prompt)
+    off = cache[0].offset
+    kv = []
+    for c in cache:
+        kv += [c.keys[..., :off, :], c.values[..., :off, :]]
+    out = fn(mx.array(prompt[-1:], dtype=mx.uint32), mx.array(off, dtype=mx.int32), *kv)
+    mx.async_eval(out[:2])
+    off += 1
+    lp, y, kv = out[0][:, -1, :], out[1][:, -1], list(out[2:])
+    toks, lps, times = [], [], []
+    for _ in range(gen):
+        t = time.perf_counter()
+        out = fn(y, mx.array(off, dtype=mx.int32), *kv)
+        off += 1
+        mx.async_eval(out[:2])
+        toks.append(y.item())
+        times.append(time.perf_counter() - t)
+        lps.append(lp)
+        lp, y, kv = out[0][:, -1, :], out[1][:, -1], list(out[2:])
+    return toks, lps, times
 
 
 def step_fn(model, n_layers):
@@ -129,6 +183,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--grow", type=int, default=256)
+    ap.add_argument("--exact", action="store_true", help="add the shapeless exact-length arm")
+    ap.add_argument("--only", default="", help="comma list of arms to run (plain always runs)")
     a = ap.parse_args()
     model, _, _, _ = load_model(a.model)
     n = len(make_prompt_cache(model))
@@ -138,6 +194,12 @@ def main():
     arms = {"plain": lambda: run_plain(model, prompt, a.gen),
             "compiled": lambda: run_buffer(model, prompt, a.gen, comp, a.grow),
             "masked": lambda: run_buffer(model, prompt, a.gen, raw, a.grow)}
+    if a.exact:
+        ex = mx.compile(exact_fn(model, n), shapeless=True)
+        arms["exact"] = lambda: run_exact(model, prompt, a.gen, ex)
+    if a.only:
+        keep = {"plain", *a.only.split(",")}
+        arms = {k: f for k, f in arms.items() if k in keep}
     for f in arms.values():  # warm-up: kernels and the first trace
         f()
     res = {k: [] for k in arms}

@@ -108,9 +108,21 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-      timeout ${LIMIT:-200} python3 scripts/compile_step_probe.py /var/tmp/$m --gen ${GEN:-128} --repeats ${REPEATS:-3} 2>&1 \
+      timeout ${LIMIT:-200} python3 scripts/compile_step_probe.py /var/tmp/$m --gen ${GEN:-128} --repeats ${REPEATS:-3} ${PROBE_ARGS:-} 2>&1 \
         | grep -v Warning | tee "$OUT/compile-step-$m.txt"
     done ;;
+  graphs)  # issue 19: bench engine at two MLX CUDA graph sizes (MLX_MAX_OPS_PER_BUFFER; MLX's default is 20), then a served
+           # lone stream (needs fastapi/uvicorn carried: ../shared/gpu/prepare.sh takes them as extras)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    for s in ${GRAPH_SETTINGS:-20 250}; do
+      MLX_MAX_OPS_PER_BUFFER=$s timeout ${LIMIT:-170} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8,32} \
+        --prompt-len 128 --gen ${GEN:-96} --repeats ${REPEATS:-3} --prefill-len 512 --out "$OUT/engine-graphs-$s.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/engine-graphs-$s.txt" | grep -E "decode|aggregate|prefill" | head -8
+    done
+    mkdir -p /tmp/bench && cd /tmp/bench
+    timeout ${SERVE_LIMIT:-120} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 \
+      --input-len 100 --output-len 128 --repeats 2 2>&1 | tee "$OUT/served1.txt" | tail -8 ;;
   served1)  # a lone request served by mlxb serve against our in-process B=1 and mlx-lm (issue 19), then CUDA LoRA parity
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
