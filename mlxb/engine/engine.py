@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -29,7 +30,7 @@ from mlxb.engine.serial import SHUTTING_DOWN, run_serial
 from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.engine.threads import release_thread_state, stop_at_exit, wait_gone
 from mlxb.engine.trace import IterationTrace
-from mlxb.errors import EngineFailure, EngineUnavailableError
+from mlxb.errors import EngineFailure, EngineUnavailableError, MlxbError
 from mlxb.request import Request, RequestStatus
 
 
@@ -90,6 +91,7 @@ class Engine:
         self.attach_prompt_cache(prompt_cache)
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
+        self._calls: deque = deque()  # (fn, Future): work handed to the engine thread (prompt scoring)
         self._serial: deque[Live] = deque()
         self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0,
                          "requeued": 0}
@@ -138,6 +140,26 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id, None))
+
+    def score(self, ids: list[int], top: int = 0, adapter: int = -1, timeout: float = 600.0) -> list:
+        """Prompt logprobs of ``ids`` (``mlxb.engine.score``), computed on the engine thread between
+        iterations; blocks the caller (run it in an executor from async code)."""
+        from mlxb.engine.score import prompt_logprobs
+
+        if hasattr(self.runner, "link"):
+            raise MlxbError("echo with logprobs (prompt logprobs) is not available under --tp; start the server "
+                            "without --tp to score prompts", param="echo", code="unsupported_field")
+        if not self.alive:
+            raise EngineUnavailableError("the engine thread is not running; restart the server")
+
+        def job():
+            if self.runner.lora is not None:
+                self.runner.lora.set([adapter])
+            return prompt_logprobs(self.model, ids, top)
+
+        fut: Future = Future()
+        self._inbox.put(("call", job, fut))
+        return fut.result(timeout)
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the engine thread after its current step; every request still in it ends with a 503
@@ -206,8 +228,10 @@ class Engine:
                 self._drain_inbox(block=not busy)
                 if not busy:
                     self.runner.idle()
+                self._run_calls()
                 self.iterate()
             self._drain_inbox(block=False)  # requests handed in while stopping are answered too
+            self._fail_calls(SHUTTING_DOWN)
             for live in list(self._live.values()):
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=SHUTTING_DOWN)
             self._live.clear()
@@ -215,6 +239,7 @@ class Engine:
             getattr(self.runner, "close", lambda: None)()  # --tp: the other ranks stop too
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
             self.fatal = e
+            self._fail_calls(EngineFailure(f"engine thread died: {e!r}"))
             for live in list(self._live.values()):
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
             self.delivery.flush()
@@ -253,6 +278,23 @@ class Engine:
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made
 
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, fut = self._calls.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with self.device_lock:
+                    fut.set_result(fn())
+            except Exception as e:  # the caller gets the error; the engine goes on
+                fut.set_exception(e)
+
+    def _fail_calls(self, error: Exception) -> None:
+        while self._calls:
+            _, fut = self._calls.popleft()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+
     def accept(self, req: Request, stream: OutputStream) -> None:
         """Hand a request in on the calling thread (for drivers of a never-started engine)."""
         assert not self._thread.is_alive(), "use submit() while the engine thread runs"
@@ -272,6 +314,8 @@ class Engine:
                 live = self._live.get(a)
                 if live is not None:
                     live.cancelled = True
+            elif kind == "call":  # run between iterations (the serial lane drains the inbox mid-request)
+                self._calls.append((a, b))
             elif kind == "die":
                 raise RuntimeError("engine killed for test")
             try:

@@ -88,10 +88,18 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             inp, opts = P.parse(body, chat=chat, default_max_tokens=gw.default_max_tokens)
             inp.adapter = _adapter(opts)
             loop = asyncio.get_running_loop()
+            echoes, prompt_lens = [], []  # echo: per choice, the prompt's text and logprobs block
             for k, (text, ids) in enumerate(opts["prompts"]):  # a completions batch: prompt by prompt
                 base = inp if k == 0 else dataclasses.replace(inp, prompt=text, prompt_ids=ids)
-                for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
-                    subs.append(gw.submit(base if i == 0 else _choice_input(base, i), loop=loop))
+                if opts["score_only"]:  # max_tokens 0 with echo: checked like a request, never submitted
+                    req = gw.build(base)
+                else:
+                    for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
+                        subs.append(gw.submit(base if i == 0 else _choice_input(base, i), loop=loop))
+                    req = subs[-1][0]
+                prompt_lens.append(req.num_prompt_tokens)
+                if opts["echo"]:
+                    echoes += [await echo_of(text, req.prompt_ids, req.adapter, opts)] * opts["n"]
         except MlxbError as e:
             for req, _ in subs:
                 gw.cancel(req.request_id)
@@ -102,10 +110,42 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         for req, _ in subs:
             metrics.prompt_tokens.inc(req.num_prompt_tokens)
         cid, model = P.new_id(chat), gw.model_name
+        if opts["score_only"]:
+            return scored(echoes, prompt_lens, cid, model, opts)
         if opts["stream"]:
-            return StreamingResponse(sse(subs, cid, model, chat, opts), media_type="text/event-stream",
+            return StreamingResponse(sse(subs, cid, model, chat, opts, echoes), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await collect(subs, cid, model, chat, opts)
+        return await collect(subs, cid, model, chat, opts, echoes)
+
+    async def echo_of(text, ids, slot, opts):
+        """The echoed prompt of a completions choice: its text and, with logprobs, every prompt token's
+        logprob (scored on the engine thread between iterations)."""
+        lp = None
+        if opts["logprobs"]:
+            try:
+                scores = await asyncio.get_running_loop().run_in_executor(None, gw.engine.score, ids, opts["top"], slot)
+            except MlxbError:
+                raise
+            except Exception as e:
+                raise MlxbError(f"scoring the prompt failed: {e}", param="echo") from None
+            lp = P.echo_logprobs(gw.tokenizer, ids, scores)
+        return (text if text is not None else gw.tokenizer.decode(ids)), lp
+
+    def scored(echoes, prompt_lens, cid, model, opts):
+        """``echo`` with ``max_tokens: 0``: the prompts and their logprobs, nothing generated."""
+        metrics.requests.labels("completions", "ok").inc()
+        u = {"prompt_tokens": sum(prompt_lens), "completion_tokens": 0, "total_tokens": sum(prompt_lens)}
+        choices = [P.choice(False, i, text, "length", lp) for i, (text, lp) in enumerate(echoes)]
+        if not opts["stream"]:
+            return JSONResponse(P.full(cid, model, False, choices, u))
+
+        async def events():
+            for i, (text, lp) in enumerate(echoes):
+                yield f"data: {json.dumps(P.chunk(cid, model, False, text, 'length', lp, index=i))}\n\n"
+            if opts["include_usage"]:
+                yield f"data: {json.dumps({'id': cid, 'object': 'text_completion', 'created': int(time.time()), 'model': model, 'choices': [], 'usage': P.usage(u)})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _adapter(opts) -> Optional[str]:
         """The request's LoRA adapter: ``model: "base:name"`` (as vLLM lists them) or mlx-lm's ``adapters``."""
@@ -152,7 +192,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             metrics.ttft.observe(last.timings["ttft_s"])
         return outs, last
 
-    async def collect(subs, cid, model, chat, opts):
+    async def collect(subs, cid, model, chat, opts, echoes=()):
         tasks = [asyncio.ensure_future(drain(req, st)) for req, st in subs]
         try:
             done = await asyncio.gather(*tasks)
@@ -167,8 +207,14 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         metrics.requests.labels(kind, "ok").inc()
         choices = []
         for i, (outs, last) in enumerate(done):
-            lp = lp_block(chat, outs) if opts["logprobs"] else None
-            body, calls, reason = "".join(o.text for o in outs), None, P.finish(last.finish_reason)
+            shown, echo_lp = echoes[i] if echoes else ("", None)
+            lp = None
+            if opts["logprobs"]:
+                lp = lp_block(chat, outs) if chat else P.join_logprobs(echo_lp, P.logprobs_completion(gw.tokenizer, outs, len(shown)))
+            body = "".join(o.text for o in outs)
+            if echoes:
+                body = shown + P.echo_gap(gw.tokenizer, next((o.token for o in outs if o.token is not None), None), body) + body
+            calls, reason = None, P.finish(last.finish_reason)
             if opts["tools"] and gw.tool_format.on:
                 body, calls = split_tool_calls(gw.tool_format, opts["tools"], body)
                 if calls and reason == "stop":
@@ -200,10 +246,14 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             for t in tasks:
                 t.cancel()
 
-    async def sse(subs, cid, model, chat, opts):
+    async def sse(subs, cid, model, chat, opts, echoes=()):
         n = len(subs)
         done, last_t, first = [False] * n, [None] * n, [True] * n
         usages, offset = [None] * n, [0] * n  # offset: completion text so far (legacy logprobs' text_offset)
+        gapped: set = set()
+        for i, (shown, echo_lp) in enumerate(echoes):  # echo: each choice starts with its prompt
+            yield f"data: {json.dumps(P.chunk(cid, model, chat, shown, None, echo_lp, index=i))}\n\n"
+            offset[i] = len(shown)
         calls = [ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
                  for _ in range(n)]
         kind = "chat" if chat else "completions"
@@ -215,6 +265,9 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                     lp = lp_block(chat, [out]) if chat else P.logprobs_completion(gw.tokenizer, [out], offset[i])
                     if not chat:
                         offset[i] += sum(len(t) for t in lp["tokens"])
+                if echoes and out.token is not None and i not in gapped:
+                    gapped.add(i)  # the first generated token of an echoed choice: keep its leading space
+                    out = dataclasses.replace(out, text=P.echo_gap(gw.tokenizer, out.token, out.text or "") + (out.text or ""))
                 parts = [("content", out.text or "")]
                 if calls[i] is not None:  # text is split into content and tool calls (a tag may wait a chunk)
                     parts = calls[i].feed(out.text or "") + (calls[i].finish() if out.finish_reason is not None else [])

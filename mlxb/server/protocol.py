@@ -14,8 +14,7 @@ UNSUPPORTED = {  # field -> what it would do (the 400 names it and says to remov
     "draft_model": "a per-request draft model (start the server with "
     "--draft-model)", "functions": "legacy functions (use tools)", "function_call": "legacy function_call (use "
     "tool_choice)", "best_of": "best_of (several candidates, the best returned; n returns them all)",
-    "suffix": "suffix (fill-in-the-middle insertion)", "echo": "echo (the prompt repeated in the completion)",
-    "guided_json": "guided_json (use response_format or structured_outputs)", "guided_regex": "guided_regex (use "
+    "suffix": "suffix (fill-in-the-middle insertion)", "guided_json": "guided_json (use response_format or structured_outputs)", "guided_regex": "guided_regex (use "
     "structured_outputs.regex)", "guided_grammar": "guided_grammar (use structured_outputs.grammar)",
     "guided_choice": "guided_choice (use structured_outputs.choice)"}
 MAX_N = 16  # choices per request (each is a row of the batch)
@@ -72,6 +71,12 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, default_max_tokens)
+    echo = _get(body, "echo", bool, False)
+    if echo and chat:
+        raise ValidationError("echo belongs to /v1/completions (the prompt repeated before the completion)", param="echo")
+    score_only = echo and max_tokens == 0  # scoring: the prompt and its logprobs, nothing generated
+    if score_only:
+        max_tokens = 1  # never submitted; 1 passes the gateway's checks of the request
     if chat:
         want_lp = _get(body, "logprobs", bool, False)
         top = _get(body, "top_logprobs", int, 0)
@@ -130,6 +135,9 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
         "include_usage": bool(stream_opts.get("include_usage", False)),
         "model": _get(body, "model", str, None),
         "logprobs": want_lp,
+        "top": top,
+        "echo": echo,
+        "score_only": score_only,
         # tool calls are parsed out of the text unless tool_choice is "none"
         "tools": inp.tools if chat and inp.tools and inp.tool_choice != "none" else None,
     }
@@ -201,6 +209,33 @@ def logprobs_completion(tokenizer, outs: list[RequestOutput], start: int = 0) ->
         offsets.append(at)
         at += len(t)
     return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echo_logprobs(tokenizer, ids: list[int], scores: list) -> dict:
+    """The legacy logprobs block of an echoed prompt: the first token has none (nothing precedes it)."""
+    toks = [_tok_text(tokenizer, t) for t in ids]
+    offsets, at = [], 0
+    for t in toks:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": toks, "token_logprobs": [None] + [_lp(lp) for lp, _ in scores],
+            "top_logprobs": [None] + [{_tok_text(tokenizer, t): _lp(v) for t, v in top} for _, top in scores],
+            "text_offset": offsets}
+
+
+def echo_gap(tokenizer, token: Optional[int], text: str) -> str:
+    """The space mlx-lm's streaming detokenizers drop before a completion's first token: kept after an
+    echoed prompt, so the text reads as the tokens (and their ``text_offset``) say."""
+    if token is None or text.startswith(" ") or not _tok_text(tokenizer, token).startswith(" "):
+        return ""
+    return " "
+
+
+def join_logprobs(a: Optional[dict], b: Optional[dict]) -> Optional[dict]:
+    """Two legacy logprobs blocks one after the other (``b``'s offsets already count ``a``'s text)."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def usage(u: dict) -> dict:

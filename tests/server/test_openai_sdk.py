@@ -129,7 +129,7 @@ def test_n_choices_stream_with_their_indexes_and_one_done(sdk):
     assert [by[0], by[1]] == single
 
 
-@pytest.mark.parametrize("body,param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"echo": True}, "echo"),
+@pytest.mark.parametrize("body,param", [({"n": 0}, "n"), ({"n": 17}, "n"), ({"echo": "yes"}, "echo"),
                                         ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of")])
 def test_unsupported_or_bad_choice_fields_are_a_400_naming_them(live, body, param):
     r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
@@ -166,3 +166,80 @@ def test_completions_batch_of_prompts_comes_back_prompt_by_prompt(sdk):
 def test_bad_completion_prompts_are_a_400_naming_prompt(live, prompt):
     r = httpx.post(live.url + "/v1/completions", json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
+def test_echo_scores_the_prompt_as_evaluation_harnesses_ask(live, sdk):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0. The prompt comes
+    back with every token's logprob (the first has none) equal to one plain forward of mlx-lm's model
+    over the prompt, and the top alternatives hold the best token there."""
+    import mlx.core as mx
+
+    text = "def add(a, b):\n    return a + b\n" * 4
+    r = sdk.completions.create(model="tiny-llama", prompt=text, max_tokens=0, echo=True, logprobs=3)
+    c = r.choices[0]
+    ids = live.gw.tokenizer.encode(text)
+    assert c.text == text and c.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert lp.tokens == [live.gw.tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    with live.gw.engine.device_lock:  # the reference forward must not run beside the engine thread's
+        logits = live.gw.engine.model(mx.array(ids)[None])[0].astype(mx.float32)
+        ref = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        want = [ref[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+        best = [live.gw.tokenizer.decode([int(mx.argmax(ref[i]).item())]) for i in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], want)) < 1e-4
+    for i, top in enumerate(lp.top_logprobs[1:]):
+        assert len(top) <= 3 and best[i] in top and max(top.values()) == pytest.approx(ref[i].max().item(), abs=1e-4)
+
+
+def test_echo_with_generation_prepends_the_prompt_and_keeps_the_continuation(sdk):
+    """echo with max_tokens > 0: the prompt, then what the same request gives without echo (greedy),
+    the logprobs of prompt and completion in one block whose offsets index the returned text; batches
+    and streams too."""
+    prompt = "import numpy as np\n"
+    plain = sdk.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6, logprobs=1)
+    r = sdk.completions.create(model="tiny-llama", prompt=prompt, max_tokens=6, echo=True, logprobs=1)
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and c.text[len(prompt):].lstrip(" ") == plain.choices[0].text.lstrip(" ")
+    lp = c.logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 6 and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[n_prompt:] == plain.choices[0].logprobs.token_logprobs
+    for tok, off in zip(lp.tokens[n_prompt:], lp.text_offset[n_prompt:]):
+        assert c.text[off:off + len(tok)] == tok  # the offsets index the echoed text
+    chunks = list(sdk.completions.create(model="tiny-llama", prompt=[prompt, [5, 6, 7]], max_tokens=4, echo=True,
+                                         stream=True))
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for x in ch.choices:
+            texts[x.index] += x.text
+    batch = sdk.completions.create(model="tiny-llama", prompt=[prompt, [5, 6, 7]], max_tokens=4, echo=True)
+    assert texts == {x.index: x.text for x in batch.choices} and texts[0].startswith(prompt)
+
+
+def test_echo_rules_are_clear_400s(live):
+    """max_tokens 0 only scores with echo; echo belongs to completions; a bad value names the field."""
+    for path, body, param in [("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+                              ("/v1/completions", {"prompt": "x", "echo": 1}, "echo")]:
+        r = httpx.post(live.url + path, json={"model": "tiny-llama", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_scoring_between_iterations_leaves_decoding_rows_alone(sdk):
+    """Prompt scoring runs on the engine thread between iterations: rows decoding meanwhile give what
+    they give without it, and every score matches the same request scored alone."""
+    import concurrent.futures as cf
+
+    prompts = [f"class Model{i}:\n    def forward(self, x):\n" for i in range(3)]
+    alone_rows = [sdk.completions.create(model="tiny-llama", prompt=p, max_tokens=24).choices[0].text for p in prompts]
+    alone_score = sdk.completions.create(model="tiny-llama", prompt="x = [1, 2, 3]\n" * 6, max_tokens=0, echo=True,
+                                         logprobs=1).choices[0].logprobs.token_logprobs
+    with cf.ThreadPoolExecutor(6) as ex:
+        rows = [ex.submit(lambda p=p: sdk.completions.create(model="tiny-llama", prompt=p, max_tokens=24)) for p in prompts]
+        scores = [ex.submit(lambda: sdk.completions.create(model="tiny-llama", prompt="x = [1, 2, 3]\n" * 6, max_tokens=0,
+                                                           echo=True, logprobs=1)) for _ in range(3)]
+        assert [f.result().choices[0].text for f in rows] == alone_rows
+        assert all(f.result().choices[0].logprobs.token_logprobs == alone_score for f in scores)
