@@ -243,3 +243,15 @@ def test_scoring_between_iterations_leaves_decoding_rows_alone(sdk):
                                                            echo=True, logprobs=1)) for _ in range(3)]
         assert [f.result().choices[0].text for f in rows] == alone_rows
         assert all(f.result().choices[0].logprobs.token_logprobs == alone_score for f in scores)
+
+
+def test_a_failing_engine_thread_job_reaches_its_caller_and_the_engine_goes_on(live, sdk):
+    """Work handed to the engine thread (prompt scoring) that raises fails its own future only."""
+    from concurrent.futures import Future
+
+    fut: Future = Future()
+    live.gw.engine._inbox.put(("call", lambda: 1 / 0, fut))
+    with pytest.raises(ZeroDivisionError):
+        fut.result(30)
+    assert live.gw.engine.alive
+    assert sdk.completions.create(model="tiny-llama", prompt="ok", max_tokens=2).usage.completion_tokens == 2
