@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.cache.protocol import kv_projection, layer_kinds
+from mlxb.engine.calls import EngineCalls
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
 from mlxb.engine.prefill import prefill_cohort, prefill_one
@@ -91,7 +92,7 @@ class Engine:
         self.attach_prompt_cache(prompt_cache)
         self.device_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
-        self._calls: deque = deque()  # (fn, Future): work handed to the engine thread (prompt scoring)
+        self._calls = EngineCalls(self.device_lock)  # work handed to the engine thread (prompt scoring)
         self._serial: deque[Live] = deque()
         self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0,
                          "requeued": 0}
@@ -228,10 +229,10 @@ class Engine:
                 self._drain_inbox(block=not busy)
                 if not busy:
                     self.runner.idle()
-                self._run_calls()
+                self._calls.run()
                 self.iterate()
             self._drain_inbox(block=False)  # requests handed in while stopping are answered too
-            self._fail_calls(SHUTTING_DOWN)
+            self._calls.fail(SHUTTING_DOWN)
             for live in list(self._live.values()):
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=SHUTTING_DOWN)
             self._live.clear()
@@ -239,7 +240,7 @@ class Engine:
             getattr(self.runner, "close", lambda: None)()  # --tp: the other ranks stop too
         except BaseException as e:  # the thread is dying: make it visible and fail everyone
             self.fatal = e
-            self._fail_calls(EngineFailure(f"engine thread died: {e!r}"))
+            self._calls.fail(EngineFailure(f"engine thread died: {e!r}"))
             for live in list(self._live.values()):
                 self.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"engine thread died: {e!r}"))
             self.delivery.flush()
@@ -278,23 +279,6 @@ class Engine:
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made
 
-    def _run_calls(self) -> None:
-        while self._calls:
-            fn, fut = self._calls.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                with self.device_lock:
-                    fut.set_result(fn())
-            except Exception as e:  # the caller gets the error; the engine goes on
-                fut.set_exception(e)
-
-    def _fail_calls(self, error: Exception) -> None:
-        while self._calls:
-            _, fut = self._calls.popleft()
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(error)
-
     def accept(self, req: Request, stream: OutputStream) -> None:
         """Hand a request in on the calling thread (for drivers of a never-started engine)."""
         assert not self._thread.is_alive(), "use submit() while the engine thread runs"
@@ -315,7 +299,7 @@ class Engine:
                 if live is not None:
                     live.cancelled = True
             elif kind == "call":  # run between iterations (the serial lane drains the inbox mid-request)
-                self._calls.append((a, b))
+                self._calls.add(a, b)
             elif kind == "die":
                 raise RuntimeError("engine killed for test")
             try:

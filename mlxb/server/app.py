@@ -251,13 +251,13 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         done, last_t, first = [False] * n, [None] * n, [True] * n
         usages, offset = [None] * n, [0] * n  # offset: completion text so far (legacy logprobs' text_offset)
         gapped: set = set()
-        for i, (shown, echo_lp) in enumerate(echoes):  # echo: each choice starts with its prompt
-            yield f"data: {json.dumps(P.chunk(cid, model, chat, shown, None, echo_lp, index=i))}\n\n"
-            offset[i] = len(shown)
         calls = [ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
                  for _ in range(n)]
         kind = "chat" if chat else "completions"
         try:
+            for i, (shown, echo_lp) in enumerate(echoes):  # echo: each choice starts with its prompt
+                yield f"data: {json.dumps(P.chunk(cid, model, chat, shown, None, echo_lp, index=i))}\n\n"
+                offset[i] = len(shown)
             async for i, out in merged(subs):
                 last_t[i] = observe(out, last_t[i])
                 lp = None
