@@ -50,8 +50,8 @@ class BufferKV:
 
 
 class CatKV:
-    def __init__(self, keys, values):
-        self.keys, self.values = keys, values
+    def __init__(self, keys, values, offset):
+        self.keys, self.values, self.offset = keys, values, offset
 
     def update_and_fetch(self, k, v):
         self.keys = mx.concatenate([self.keys, k], axis=2)
@@ -62,47 +62,12 @@ class CatKV:
         return None
 
 
-def exact_fn(model, n_layers):
+def step_fn(model, n_layers, kv_class=BufferKV):
+    """One traced step over ``kv_class`` stand-ins; outputs keep the [1, 1] axes (a slice would not
+    trace shapeless), the runner drops them."""
     def step(tok, off, *kv):
-        caches = [CatKV(kv[2 * i], kv[2 * i + 1]) for i in range(n_layers)]
-        for c in caches:
-            c.offset = off
-        logits = model(tok[None], cache=caches)  # [1, 1, V]: a slice would not trace shapeless
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        out = [lp, mx.argmax(lp, axis=-1).astype(mx.uint32)]
-        for c in caches:
-            out += [c.keys, c.values]
-        return tuple(out)
-    return step
-
-
-def run_exact(model, prompt, gen, fn):
-    cache = prefill(model, prompt)
-    off = cache[0].offset
-    kv = []
-    for c in cache:
-        kv += [c.keys[..., :off, :], c.values[..., :off, :]]
-    out = fn(mx.array(prompt[-1:], dtype=mx.uint32), mx.array(off, dtype=mx.int32), *kv)
-    mx.async_eval(out[:2])
-    off += 1
-    lp, y, kv = out[0][:, -1, :], out[1][:, -1], list(out[2:])
-    toks, lps, times = [], [], []
-    for _ in range(gen):
-        t = time.perf_counter()
-        out = fn(y, mx.array(off, dtype=mx.int32), *kv)
-        off += 1
-        mx.async_eval(out[:2])
-        toks.append(y.item())
-        times.append(time.perf_counter() - t)
-        lps.append(lp)
-        lp, y, kv = out[0][:, -1, :], out[1][:, -1], list(out[2:])
-    return toks, lps, times
-
-
-def step_fn(model, n_layers):
-    def step(tok, off, *kv):
-        caches = [BufferKV(kv[2 * i], kv[2 * i + 1], off) for i in range(n_layers)]
-        logits = model(tok[None], cache=caches)[:, -1, :]
+        caches = [kv_class(kv[2 * i], kv[2 * i + 1], off) for i in range(n_layers)]
+        logits = model(tok[None], cache=caches)
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         out = [lp, mx.argmax(lp, axis=-1).astype(mx.uint32)]
         for c in caches:
@@ -149,21 +114,25 @@ def grow(kv, cap):
 
 
 def run_buffer(model, prompt, gen, fn, step):
+    """The traced step pipelined over ``gen`` tokens; ``step``: buffer growth in tokens, or None (the
+    exact arm's KV grows by itself)."""
     cache = prefill(model, prompt)
     off = cache[0].offset
     kv = []
     for c in cache:
         kv += [c.keys[..., :off, :], c.values[..., :off, :]]
-    cap = -(-(off + 1) // step) * step
-    kv = grow(kv, cap)
+    cap = None
+    if step is not None:
+        cap = -(-(off + 1) // step) * step
+        kv = grow(kv, cap)
     out = fn(mx.array(prompt[-1:], dtype=mx.uint32), mx.array(off, dtype=mx.int32), *kv)
     mx.async_eval(out[:2])
     off += 1
-    lp, y, kv = out[0], out[1], list(out[2:])
+    lp, y, kv = out[0][:, -1, :], out[1][:, -1], list(out[2:])
     toks, lps, times = [], [], []
     for _ in range(gen):
         t = time.perf_counter()
-        if off >= cap:
+        if cap is not None and off >= cap:
             cap += step
             kv = grow(kv, cap)
         out = fn(y, mx.array(off, dtype=mx.int32), *kv)
@@ -172,7 +141,7 @@ def run_buffer(model, prompt, gen, fn, step):
         toks.append(y.item())
         times.append(time.perf_counter() - t)
         lps.append(lp)
-        lp, y, kv = out[0], out[1], list(out[2:])
+        lp, y, kv = out[0][:, -1, :], out[1][:, -1], list(out[2:])
     return toks, lps, times
 
 
@@ -195,8 +164,8 @@ def main():
             "compiled": lambda: run_buffer(model, prompt, a.gen, comp, a.grow),
             "masked": lambda: run_buffer(model, prompt, a.gen, raw, a.grow)}
     if a.exact:
-        ex = mx.compile(exact_fn(model, n), shapeless=True)
-        arms["exact"] = lambda: run_exact(model, prompt, a.gen, ex)
+        ex = mx.compile(step_fn(model, n, CatKV), shapeless=True)
+        arms["exact"] = lambda: run_buffer(model, prompt, a.gen, ex, None)
     if a.only:
         keep = {"plain", *a.only.split(",")}
         arms = {k: f for k, f in arms.items() if k in keep}

@@ -204,23 +204,24 @@ def logprobs_completion(tokenizer, outs: list[RequestOutput], start: int = 0) ->
         toks.append(_tok_text(tokenizer, o.logprob.token))
         lps.append(_lp(o.logprob.logprob))
         tops.append({_tok_text(tokenizer, t): _lp(lp) for t, lp in o.logprob.top})
+    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": _offsets(toks, start)}
+
+
+def _offsets(toks: list[str], start: int = 0) -> list[int]:
+    """Each token's offset in the text they make, which starts at ``start``."""
     offsets, at = [], start
-    for t in toks:  # each token's offset in the completion text
+    for t in toks:
         offsets.append(at)
         at += len(t)
-    return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    return offsets
 
 
 def echo_logprobs(tokenizer, ids: list[int], scores: list) -> dict:
     """The legacy logprobs block of an echoed prompt: the first token has none (nothing precedes it)."""
     toks = [_tok_text(tokenizer, t) for t in ids]
-    offsets, at = [], 0
-    for t in toks:
-        offsets.append(at)
-        at += len(t)
     return {"tokens": toks, "token_logprobs": [None] + [_lp(lp) for lp, _ in scores],
             "top_logprobs": [None] + [{_tok_text(tokenizer, t): _lp(v) for t, v in top} for _, top in scores],
-            "text_offset": offsets}
+            "text_offset": _offsets(toks)}
 
 
 def echo_gap(tokenizer, token: Optional[int], text: str) -> str:
