@@ -131,6 +131,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     mkdir -p /tmp/bench && cd /tmp/bench
     mlxb bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8
     tar czf "$OUT/served1-results.tgz" reports/results; cd - >/dev/null
+    [ "${LORA:-1}" = 1 ] || exit 0  # LORA=0: the served measurement only
     # progress lines reach parity-lora.err as each preset runs, so a cut-short run still says how far it got
     timeout ${LIMIT:-300} python3 -m mlxb.commands.main parity --all --case lora --against live --json \
       > "$OUT/parity-lora-live.json" 2> "$OUT/parity-lora.err"; echo "parity rc=$?"; tail -3 "$OUT/parity-lora.err"
