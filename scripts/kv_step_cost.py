@@ -1,7 +1,9 @@
 """One decode step at B rows of ``context`` tokens: full-width batch KV against KV8 and KV4 (and, on CUDA,
 KV8/KV4 read by the fused kernel of ``--kv-attention fused``; where mlx-lm's read is trusted, also KV8/KV4
-read folded, ``MLXB_KV_READ=folded``), on the model's
-own forward (no engine, no prefill in the timing). One row is prefilled and copied into B rows; the arms
+read the other way: ``-mlxlm`` arms (``MLXB_KV_READ=mlx-lm``) where the default folds, as on the CPU, or
+``-folded`` arms (``MLXB_KV_READ=folded``) elsewhere), on the model's
+own forward (no engine, no prefill in the timing). On the CPU, where quantized reads are split across
+streams, also KV8/KV4 on one stream (``MLXB_KV_SPLIT=1``). One row is prefilled and copied into B rows; the arms
 are timed in interleaved rounds of 8 steps, each step synchronized.
 
     python scripts/kv_step_cost.py MODEL_DIR B CONTEXT [GROUP_SIZE]
@@ -14,7 +16,7 @@ from mlxb.cache.protocol import AlignedBatchKVCache
 from mlxb.cache.quantized import quantize_batch
 from mlxb.cache.quantized_read import kv_reads
 from mlxb.kernels.quantized_attention import fused_available, set_kv_attention
-from mlxb.kernels.quantized_paths import broadcast_exact
+from mlxb.kernels.quantized_paths import broadcast_exact, fold_reads
 m, tok, spec, _ = load_model(sys.argv[1]); B = int(sys.argv[2]); ctx = int(sys.argv[3])
 print("kv reads", kv_reads(), "| mlx-lm's grouped-query read trusted:", broadcast_exact(), flush=True)
 ids = mx.random.randint(3, 8000, (ctx,))
@@ -34,19 +36,24 @@ for bits in (8, 4):
 if fused_available():  # the same packed caches read through the fused kernel (--kv-attention fused)
     for bits in (8, 4):
         arms[f"kv{bits}-fused"] = arms[f"kv{bits}"]
-if broadcast_exact():  # mlx-lm's read is right here: the kv arms take it, these the folded one
+if broadcast_exact():  # mlx-lm's read is right here: the folded one against it, whichever is the default
     for bits in (8, 4):
-        arms[f"kv{bits}-folded"] = arms[f"kv{bits}"]
+        arms[f"kv{bits}-{'mlxlm' if fold_reads() else 'folded'}"] = arms[f"kv{bits}"]
+from mlxb.kernels.split_read import split_parts
+if split_parts() > 1:  # CPU reads split across streams (the default there): also one stream, MLXB_KV_SPLIT=1
+    for bits in (8, 4):
+        arms[f"kv{bits}-onestream"] = arms[f"kv{bits}"]
 del c
 tokens = mx.zeros((B, 1), dtype=mx.uint32)
 res = {k: [] for k in arms}
 def mode(k):
-    os.environ["MLXB_KV_READ"] = "folded" if k.endswith("folded") else "auto"
+    os.environ["MLXB_KV_READ"] = "folded" if k.endswith("folded") else "mlx-lm" if k.endswith("mlxlm") else "auto"
+    os.environ["MLXB_KV_SPLIT"] = "1" if k.endswith("onestream") else "auto"
     set_kv_attention("fused" if k.endswith("fused") else "mlx-lm")  # also makes the caches' reads be marked again
 for k, cs in arms.items():
     mode(k)
     for _ in range(3): mx.eval(m(tokens, cache=cs))
-for rnd in range(3):
+for rnd in range(int(os.environ.get("ROUNDS", 3))):
     for k, cs in arms.items():
         mode(k)
         t0 = time.perf_counter()

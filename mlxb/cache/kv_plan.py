@@ -151,11 +151,15 @@ def fit_plan(plan: Optional["KVPlan"], model) -> Optional["KVPlan"]:
 
 def kv_stats(plan: Optional[KVPlan]) -> dict:
     """/stats: the plan's name, and how its quantized layers are read (buffer, attention kernel, and the
-    grouped-query read: mlx-lm's, or folded where mlx-lm's is wrong on this backend; None until probed)."""
+    grouped-query read: mlx-lm's, or folded where mlx-lm's is wrong on this backend; None until probed; and
+    how many CPU streams a quantized read is split across)."""
     if plan is None:
-        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None, "kv_gqa_read": None}
+        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None, "kv_gqa_read": None,
+                "kv_split_streams": None}
     from mlxb.kernels import quantized_paths
+    from mlxb.kernels.split_read import split_parts
 
     folded = quantized_paths._FOLD
     return {"kv_scheme": plan.name, "kv_reads": kv_reads(), "kv_attention": kv_attention(),
-            "kv_gqa_read": None if folded is None else ("folded" if folded else "mlx-lm")}
+            "kv_gqa_read": None if folded is None else ("folded" if folded else "mlx-lm"),
+            "kv_split_streams": split_parts()}

@@ -32,8 +32,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels import quantized_paths
+from mlxb.kernels import quantized_paths, split_read
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
+from mlxb.kernels.split_read import split_attention, split_parts
 
 MODES = ("mlx-lm", "fused")
 _MODE: Optional[str] = None
@@ -63,6 +64,7 @@ def set_kv_attention(mode: str) -> None:
         _install()
     _MODE, _ROUTE = mode, None
     quantized_paths.reset()
+    split_read.reset()
 
 
 def self_check(tol: float = 1e-4) -> float:
@@ -101,11 +103,12 @@ def kv_attention() -> str:
 
 
 def mark(t: tuple) -> tuple:
-    """The cache's (values, scales, biases), marked for the dispatcher when the fused kernel is selected
-    or mlx-lm's grouped-query read is wrong on this backend (``quantized_paths``)."""
+    """The cache's (values, scales, biases), marked for the dispatcher when the fused kernel is selected,
+    mlx-lm's grouped-query read is wrong on this backend (``quantized_paths``) or CPU reads are split
+    across streams (``split_read``)."""
     global _ROUTE
     if _ROUTE is None:
-        _ROUTE = kv_attention() == "fused" or fold_reads()
+        _ROUTE = kv_attention() == "fused" or fold_reads() or split_parts() > 1
         if _ROUTE:
             _install()
     return Packed(t) if _ROUTE else t
@@ -350,8 +353,13 @@ def _install() -> None:
         if isinstance(q_keys, Packed):
             if _MODE == "fused" and supports(queries, q_keys, q_values, mask, group_size, bits):
                 return fused_decode(queries, q_keys, q_values, scale, mask, group_size, bits)
-            if fold_reads():
-                return folded_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+            read = folded_attention if fold_reads() else mlx_lm_read
+            if split_parts() > 1:
+                return split_attention(read, queries, q_keys, q_values, scale, mask, group_size, bits)
+            return read(queries, q_keys, q_values, scale, mask, group_size, bits)
+        return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+
+    def mlx_lm_read(queries, q_keys, q_values, scale, mask, group_size, bits):
         return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
     dispatch._mlxb_fused = True

@@ -10,8 +10,9 @@ query head per KV head is exact (``scripts/kv_fused_diag.py``, ``scripts/cuda_qm
 one matmul ([B, Hkv, R*L, D] against [B, Hkv, N, D/pack]), so no batch axis is broadcast.
 ``broadcast_exact()`` runs mlx-lm's path once on a small grouped-query case against
 ``reference_attention`` (plain float32 ops over the dequantized cache, no ``quantized_matmul``) and says
-whether the engine's quantized layers may keep mlx-lm's path on this backend. The CPU backend, where
-the parity goldens come from, keeps mlx-lm's path without probing.
+whether the engine's quantized layers may keep mlx-lm's path on this backend. On the CPU backend mlx-lm's read
+is right (no probe), and the engine's layers fold anyway: there it is the same result, bit for bit,
+for less work (``fold_reads``). mlx-lm's own caches (the parity oracle) keep mlx-lm's path everywhere.
 """
 
 from __future__ import annotations
@@ -91,14 +92,17 @@ def broadcast_exact() -> bool:
 
 def fold_reads() -> bool:
     """Whether the engine's quantized layers read through ``folded_attention``: ``MLXB_KV_READ=folded`` or
-    ``mlx-lm`` forces it (measurements), ``auto`` (default) folds where mlx-lm's read is wrong. Decided
-    once; ``reset()`` asks again."""
+    ``mlx-lm`` forces it (measurements), ``auto`` (default) folds on the CPU and where mlx-lm's read is
+    wrong. On the CPU the folded read is mlx-lm's arithmetic bit for bit (tested) and cheaper: each packed
+    key is unpacked once for all the query heads of its KV head, not once per query head (synth-llama-30m,
+    B=8 over 1k keys, KV8: 219-225 ms a step against 227-235 on netlib BLAS, ``scripts/kv_step_cost.py``).
+    Decided once; ``reset()`` asks again."""
     global _FOLD
     if _FOLD is None:
         how = os.environ.get("MLXB_KV_READ", "auto")
         if how not in READS:
             raise ValueError(f"MLXB_KV_READ={how}: choose one of {', '.join(READS)}")
-        _FOLD = how == "folded" or (how == "auto" and not broadcast_exact())
+        _FOLD = how == "folded" or (how == "auto" and (mx.default_device() == mx.cpu or not broadcast_exact()))
     return _FOLD
 
 

@@ -15,14 +15,23 @@ needs_no_cuda = pytest.mark.skipif(qa.fused_available(), reason="this backend ha
 
 
 @needs_no_cuda
-def test_fused_is_refused_off_cuda_with_the_fix():
+def test_fused_is_refused_off_cuda_with_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="--kv-attention mlx-lm"):
         qa.set_kv_attention("fused")
     with pytest.raises(ValueError, match="choose one of"):
         qa.set_kv_attention("turbo")
-    qa.set_kv_attention("mlx-lm")
     t = (mx.zeros(1),)
-    assert type(qa.mark(t)) is tuple
+    try:  # with mlx-lm's read on one stream nothing is routed: the cache's reads stay plain tuples
+        monkeypatch.setenv("MLXB_KV_READ", "mlx-lm")
+        monkeypatch.setenv("MLXB_KV_SPLIT", "1")
+        qa.set_kv_attention("mlx-lm")
+        assert type(qa.mark(t)) is tuple
+    finally:
+        monkeypatch.delenv("MLXB_KV_READ")
+        monkeypatch.delenv("MLXB_KV_SPLIT")
+        qa.set_kv_attention("mlx-lm")
+    if mx.default_device() == mx.cpu:  # the CPU folds (and splits) the engine's reads by default
+        assert type(qa.mark(t)) is qa.Packed
 
 
 @needs_no_cuda
@@ -55,7 +64,9 @@ def test_dispatch_leaves_unmarked_reads_on_mlx_lms_path():
     """(mlx-lm scales its queries in place, hence the copies.) With the dispatcher installed, a plain tuple (mlx-lm's QuantizedKVCache) gives mlx-lm's result
     bit for bit, and a marked one is routed to the fused kernel only when it is selected."""
     mx.random.seed(1)
-    original = base.quantized_scaled_dot_product_attention
+    installed = base.quantized_scaled_dot_product_attention  # the dispatcher, once any engine layer marked a read
+    original = getattr(installed, "_mlxb_original", installed)
+    base.quantized_scaled_dot_product_attention = original
     qk, qv = _packed(2, 2, 64, 64), _packed(2, 2, 64, 64)
     q = mx.random.normal((2, 4, 1, 64))
     mask = mx.ones((2, 1, 1, 64), dtype=mx.bool_)
@@ -79,4 +90,4 @@ def test_dispatch_leaves_unmarked_reads_on_mlx_lms_path():
     finally:
         qa.fused_decode = real
         qa._MODE, qa._ROUTE, qa.quantized_paths._FOLD = "mlx-lm", None, None
-        base.quantized_scaled_dot_product_attention = original
+        base.quantized_scaled_dot_product_attention = installed

@@ -57,7 +57,7 @@ def test_probe_catches_a_wrong_grouped_query_read(planted):
     assert not qp.probe()
 
 
-def test_engine_rows_route_around_a_wrong_read(tiny_models, planted):
+def test_engine_rows_route_around_a_wrong_read(tiny_models, planted, monkeypatch):
     from tests.tiny.test_quantized_kv import engine_rows, same
 
     model, tok = tiny_models("tiny-llama")[:2]  # 4 query heads over 2 KV heads
@@ -65,8 +65,11 @@ def test_engine_rows_route_around_a_wrong_read(tiny_models, planted):
     clean, seen, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
     assert seen["quantized_batch"]
     base.quantized_scaled_dot_product_attention = gqa_fault(planted)
-    qa._ROUTE, qp._EXACT, qp._FOLD = None, True, None  # a backend that trusts the read: the fault reaches the rows
+    # a backend that trusts the read (and, unlike this CPU, keeps it): the fault reaches the rows
+    monkeypatch.setenv("MLXB_KV_READ", "mlx-lm")
+    qa._ROUTE, qp._EXACT, qp._FOLD = None, True, None
     hurt, _, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
+    monkeypatch.delenv("MLXB_KV_READ")
     assert not all(same(a, b) for a, b in zip(clean, hurt))
     qa._ROUTE, qp._EXACT, qp._FOLD = None, qp.probe(), None  # what broadcast_exact() decides off the CPU
     assert qp._EXACT is False
