@@ -19,13 +19,14 @@ kernels already use the whole device) or a number of parts (1 turns splitting of
 from __future__ import annotations
 
 import os
+import threading
 from typing import Callable, Optional
 
 import mlx.core as mx
 
 MIN_WORK = 16384
 _PARTS: Optional[int] = None
-_STREAMS: list = []
+_LOCAL = threading.local()  # MLX streams belong to the thread that made them: each thread makes its own
 
 
 def _cores() -> int:
@@ -58,9 +59,12 @@ def reset() -> None:
 
 
 def _stream(i: int):
-    while len(_STREAMS) < i:
-        _STREAMS.append(mx.new_stream(mx.cpu))
-    return _STREAMS[i - 1]
+    streams = getattr(_LOCAL, "streams", None)
+    if streams is None:
+        streams = _LOCAL.streams = []
+    while len(streams) < i:
+        streams.append(mx.new_stream(mx.cpu))
+    return streams[i - 1]
 
 
 def _cuts(n: int, parts: int) -> list[tuple[int, int]]:

@@ -132,3 +132,30 @@ def test_engine_rows_are_the_same_split_or_not(tiny_models, monkeypatch, preset)
     (one, n_one), (two, n_two) = runs
     assert n_one == 0 and n_two > 0
     assert all(same(a, b) for a, b in zip(one, two))
+
+
+def test_split_reads_work_from_any_thread(monkeypatch):
+    """MLX streams belong to the thread that made them; the engine thread, a warm-up on the main thread and
+    a second engine each get their own."""
+    import threading
+
+    monkeypatch.setattr(sr, "MIN_WORK", 0)
+    q, qk, qv, m = inputs(2, 8, 2, 1, 96, 8, 64, "bool")
+    want = mlx_lm_read(q, qk, qv, 0.125, m, 64, 8)
+    mx.eval(sr.split_attention(mlx_lm_read, q, qk, qv, 0.125, m, 64, 8, parts=2))  # streams made here first
+    got, errors = [], []
+
+    def other():
+        try:
+            out = sr.split_attention(mlx_lm_read, q, qk, qv, 0.125, m, 64, 8, parts=2)
+            mx.eval(out)
+            got.append(out)
+        except Exception as e:  # noqa: BLE001 - the failure is what the test reports
+            errors.append(e)
+
+    for _ in range(2):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert not errors, errors
+    assert len(got) == 2 and all(mx.array_equal(g, want).item() for g in got)
