@@ -159,3 +159,44 @@ def test_split_reads_work_from_any_thread(monkeypatch):
         t.join()
     assert not errors, errors
     assert len(got) == 2 and all(mx.array_equal(g, want).item() for g in got)
+
+
+@pytest.mark.parametrize("batch", [4, 1])
+def test_engine_thread_rows_split_equal_one_stream(tiny_models, monkeypatch, batch):
+    """The engine on its own thread (as served), KV8, every quantized read split: every row finishes (the
+    streams are the engine thread's own), and a lone row keeps the one-stream run's tokens and logprobs.
+    Staggered batches are compared bit for bit off-thread above, where the schedule is fixed."""
+    from mlxb.cache.kv_plan import KVScheme
+    from mlxb.request import Request
+    from tests.tiny.test_engine import run
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    prompts = [list(range(5, 35)), list(range(40, 57)), list(range(60, 140))]
+    monkeypatch.setattr(sr, "MIN_WORK", 0)
+    real, calls, runs = qa.split_attention, [], []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(qa, "split_attention", counting)
+    try:
+        for how in ("1", "2"):
+            monkeypatch.setenv("MLXB_KV_SPLIT", how)
+            qa.set_kv_attention("mlx-lm")
+            calls.clear()
+            cap = {}
+            outs, eng = run(model, tok, [Request(f"r{i}", p, 10, ignore_eos=True) for i, p in enumerate(prompts)],
+                            batch, delays=[0, 0.02, 0.02], kv_scheme=KVScheme(8, 32, 0),
+                            capture=lambda rid, s, t, v, g: cap.__setitem__((rid, s), v.copy()))
+            assert all(o[-1].finish_reason == "length" for o in outs), [o[-1] for o in outs]
+            runs.append(([[o.token for o in out if o.token is not None] for out in outs], cap, len(calls)))
+    finally:
+        monkeypatch.delenv("MLXB_KV_SPLIT")
+        qa.set_kv_attention("mlx-lm")
+    (t1, c1, n1), (t2, c2, n2) = runs
+    assert n1 == 0 and n2 > 0
+    assert all(len(t) == 10 for t in t1 + t2)
+    if batch == 1:  # one schedule on the serial lane; batched rows may join at other steps in the two runs
+        assert t1 == t2
+        assert c1.keys() == c2.keys() and all((c1[k] == c2[k]).all() for k in c1)
