@@ -100,17 +100,10 @@ def test_bad_setting_is_refused(monkeypatch):
         sr.reset()
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
-def test_engine_rows_are_the_same_split_or_not(tiny_models, monkeypatch, preset):
-    """Staggered rows with KV8 (tiny-gemma3: quantized rings too), every quantized read split across two
-    streams, against the same rows read on one stream."""
-    from tests.tiny.test_quantized_kv import engine_rows, same
-
-    model, tok = tiny_models(preset)[:2]
-    prompts = [list(range(5, 35)), list(range(40, 57)), list(range(60, 140))]
+def one_stream_then_split(monkeypatch, go):
+    """``go()`` with every quantized read on one stream, then split in two (MIN_WORK 0): [(result, split calls)]."""
     monkeypatch.setattr(sr, "MIN_WORK", 0)
-    runs, calls = [], []
-    real = qa.split_attention
+    real, calls, runs = qa.split_attention, [], []
 
     def counting(*a, **k):
         calls.append(1)
@@ -121,14 +114,29 @@ def test_engine_rows_are_the_same_split_or_not(tiny_models, monkeypatch, preset)
         for how in ("1", "2"):
             monkeypatch.setenv("MLXB_KV_SPLIT", how)
             qa.set_kv_attention("mlx-lm")
-            qa._ROUTE = None
             calls.clear()
-            rows, seen, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
-            assert seen["quantized_batch"]
-            runs.append((rows, len(calls)))
+            runs.append((go(), len(calls)))
     finally:
         monkeypatch.delenv("MLXB_KV_SPLIT")
         qa.set_kv_attention("mlx-lm")
+    return runs
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
+def test_engine_rows_are_the_same_split_or_not(tiny_models, monkeypatch, preset):
+    """Staggered rows with KV8 (tiny-gemma3: quantized rings too), every quantized read split across two
+    streams, against the same rows read on one stream."""
+    from tests.tiny.test_quantized_kv import engine_rows, same
+
+    model, tok = tiny_models(preset)[:2]
+    prompts = [list(range(5, 35)), list(range(40, 57)), list(range(60, 140))]
+
+    def go():
+        rows, seen, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 12)
+        assert seen["quantized_batch"]
+        return rows
+
+    runs = one_stream_then_split(monkeypatch, go)
     (one, n_one), (two, n_two) = runs
     assert n_one == 0 and n_two > 0
     assert all(same(a, b) for a, b in zip(one, two))
@@ -172,31 +180,18 @@ def test_engine_thread_rows_split_equal_one_stream(tiny_models, monkeypatch, bat
 
     model, tok = tiny_models("tiny-llama")[:2]
     prompts = [list(range(5, 35)), list(range(40, 57)), list(range(60, 140))]
-    monkeypatch.setattr(sr, "MIN_WORK", 0)
-    real, calls, runs = qa.split_attention, [], []
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def go():
+        cap = {}
+        outs, _ = run(model, tok, [Request(f"r{i}", p, 10, ignore_eos=True) for i, p in enumerate(prompts)],
+                      batch, delays=[0, 0.02, 0.02], kv_scheme=KVScheme(8, 32, 0),
+                      capture=lambda rid, s, t, v, g: cap.__setitem__((rid, s), v.copy()))
+        assert all(o[-1].finish_reason == "length" for o in outs), [o[-1] for o in outs]
+        return [[o.token for o in out if o.token is not None] for out in outs], cap
 
-    monkeypatch.setattr(qa, "split_attention", counting)
-    try:
-        for how in ("1", "2"):
-            monkeypatch.setenv("MLXB_KV_SPLIT", how)
-            qa.set_kv_attention("mlx-lm")
-            calls.clear()
-            cap = {}
-            outs, eng = run(model, tok, [Request(f"r{i}", p, 10, ignore_eos=True) for i, p in enumerate(prompts)],
-                            batch, delays=[0, 0.02, 0.02], kv_scheme=KVScheme(8, 32, 0),
-                            capture=lambda rid, s, t, v, g: cap.__setitem__((rid, s), v.copy()))
-            assert all(o[-1].finish_reason == "length" for o in outs), [o[-1] for o in outs]
-            runs.append(([[o.token for o in out if o.token is not None] for out in outs], cap, len(calls)))
-    finally:
-        monkeypatch.delenv("MLXB_KV_SPLIT")
-        qa.set_kv_attention("mlx-lm")
-    (t1, c1, n1), (t2, c2, n2) = runs
+    ((t1, c1), n1), ((t2, c2), n2) = one_stream_then_split(monkeypatch, go)
     assert n1 == 0 and n2 > 0
     assert all(len(t) == 10 for t in t1 + t2)
     if batch == 1:  # one schedule on the serial lane; batched rows may join at other steps in the two runs
         assert t1 == t2
-        assert c1.keys() == c2.keys() and all((c1[k] == c2[k]).all() for k in c1)
+        assert c1 and c1.keys() == c2.keys() and all((c1[k] == c2[k]).all() for k in c1)
