@@ -124,13 +124,15 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     timeout ${SERVE_LIMIT:-120} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 \
       --input-len 100 --output-len 128 --repeats 2 2>&1 | tee "$OUT/served1.txt" | tail -8 ;;
   served1)  # a lone request served by mlxb serve against our in-process B=1 and mlx-lm (issue 19), then CUDA LoRA parity
-    m=synth-llama-8b
-    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-    mlxb bench engine -m /var/tmp/$m --batches 1 --prompt-len 128 --gen 128 --repeats ${REPEATS:-5} --prefill-len 512 \
-      --out "$OUT/engine-b1-$m.json" 2>&1 | tail -8
-    mkdir -p /tmp/bench && cd /tmp/bench
-    mlxb bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8
-    tar czf "$OUT/served1-results.tgz" reports/results; cd - >/dev/null
+    for m in ${MODELS:-synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      mlxb bench engine -m /var/tmp/$m --batches 1 --prompt-len 128 --gen 128 --repeats ${REPEATS:-5} --prefill-len 512 \
+        --out "$OUT/engine-b1-$m.json" 2>&1 | tail -8
+      mkdir -p /tmp/bench && cd /tmp/bench
+      mlxb bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8
+      cd - >/dev/null
+    done
+    (cd /tmp/bench && tar czf "$OUT/served1-results.tgz" reports/results)
     [ "${LORA:-1}" = 1 ] || exit 0  # LORA=0: the served measurement only
     # progress lines reach parity-lora.err as each preset runs, so a cut-short run still says how far it got
     timeout ${LIMIT:-300} python3 -m mlxb.commands.main parity --all --case lora --against live --json \
