@@ -69,6 +69,10 @@ def init_group(tp: int):
             f"'mlx.launch --backend ring -n {tp} -- mlxb serve --tp {tp} ...' on one machine (CPU), "
             f"'--backend nccl' for {tp} CUDA GPUs, or '--hostfile hosts.json' for several Macs (see the README)",
             param="tp")
+    if mx.default_device() == mx.cpu:  # CPU ranks are taken to share one host (mlx.launch -n N on it)
+        from mlxb.kernels.split_read import share_cores
+
+        share_cores(tp)
     return group
 
 

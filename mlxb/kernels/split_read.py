@@ -12,8 +12,8 @@ bit-equal to the unsplit read (tested against mlx-lm's ``quantized_scaled_dot_pr
 Handing a piece to another stream costs about 0.2 ms here, so calls below ``MIN_WORK`` (query heads x
 query tokens x keys x rows) keep one stream.
 
-``MLXB_KV_SPLIT``: ``auto`` (default: the usable cores, at most 8, on the CPU backend; 1 on GPUs, whose
-kernels already use the whole device) or a number of parts (1 turns splitting off).
+``MLXB_KV_SPLIT``: ``auto`` (default: the usable cores, at most 8, on the CPU backend, divided among ``--tp``
+ranks; 1 on GPUs, whose kernels already use the whole device) or a number of parts (1 turns splitting off).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import mlx.core as mx
 
 MIN_WORK = 16384
 _PARTS: Optional[int] = None
+_SHARERS = 1  # processes sharing this machine's cores (tensor-parallel ranks on one CPU host)
 _LOCAL = threading.local()  # MLX streams belong to the thread that made them: each thread makes its own
 
 
@@ -42,7 +43,7 @@ def split_parts() -> int:
     if _PARTS is None:
         how = os.environ.get("MLXB_KV_SPLIT", "auto")
         if how == "auto":
-            _PARTS = min(_cores(), 8) if mx.default_device() == mx.cpu else 1
+            _PARTS = max(1, min(_cores() // _SHARERS, 8)) if mx.default_device() == mx.cpu else 1
         else:
             try:
                 _PARTS = int(how)
@@ -56,6 +57,14 @@ def split_parts() -> int:
 def reset() -> None:
     global _PARTS
     _PARTS = None
+
+
+def share_cores(processes: int) -> None:
+    """``processes`` ranks share this host's cores (``--tp`` on one CPU machine): ``auto`` gives each its share,
+    so two ranks on 2 cores read on one stream each instead of four threads on two cores."""
+    global _SHARERS
+    _SHARERS = max(1, processes)
+    reset()
 
 
 def _stream(i: int):

@@ -195,3 +195,17 @@ def test_engine_thread_rows_split_equal_one_stream(tiny_models, monkeypatch, bat
     if batch == 1:  # one schedule on the serial lane; batched rows may join at other steps in the two runs
         assert t1 == t2
         assert c1 and c1.keys() == c2.keys() and all((c1[k] == c2[k]).all() for k in c1)
+
+
+def test_tensor_parallel_ranks_share_the_cores(monkeypatch):
+    monkeypatch.delenv("MLXB_KV_SPLIT", raising=False)
+    monkeypatch.setattr(sr, "_cores", lambda: 8)
+    try:
+        sr.share_cores(1)
+        assert sr.split_parts() == (8 if mx.default_device() == mx.cpu else 1)
+        sr.share_cores(2)
+        assert sr.split_parts() == (4 if mx.default_device() == mx.cpu else 1)
+        sr.share_cores(16)
+        assert sr.split_parts() == 1
+    finally:
+        sr.share_cores(1)
