@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
 from mlxb.errors import ValidationError
+from mlxb.kernels.split_read import share_cores
 from mlxb.request import Request
 
 NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
@@ -69,10 +70,7 @@ def init_group(tp: int):
             f"'mlx.launch --backend ring -n {tp} -- mlxb serve --tp {tp} ...' on one machine (CPU), "
             f"'--backend nccl' for {tp} CUDA GPUs, or '--hostfile hosts.json' for several Macs (see the README)",
             param="tp")
-    if mx.default_device() == mx.cpu:  # CPU ranks are taken to share one host (mlx.launch -n N on it)
-        from mlxb.kernels.split_read import share_cores
-
-        share_cores(tp)
+    share_cores(tp)  # CPU ranks are taken to share one host (mlx.launch -n N on it); GPUs do not split
     return group
 
 

@@ -353,10 +353,8 @@ def _install() -> None:
         if isinstance(q_keys, Packed):
             if _MODE == "fused" and supports(queries, q_keys, q_values, mask, group_size, bits):
                 return fused_decode(queries, q_keys, q_values, scale, mask, group_size, bits)
-            read = folded_attention if fold_reads() else mlx_lm_read
-            if split_parts() > 1:
-                return split_attention(read, queries, q_keys, q_values, scale, mask, group_size, bits)
-            return read(queries, q_keys, q_values, scale, mask, group_size, bits)
+            read = folded_attention if fold_reads() else mlx_lm_read  # split over CPU streams where that pays
+            return split_attention(read, queries, q_keys, q_values, scale, mask, group_size, bits)
         return original(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
     def mlx_lm_read(queries, q_keys, q_values, scale, mask, group_size, bits):
