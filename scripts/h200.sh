@@ -139,16 +139,18 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       > "$OUT/parity-lora-live.json" 2> "$OUT/parity-lora.err"; echo "parity rc=$?"; tail -3 "$OUT/parity-lora.err"
     python3 -c "import json; d=json.load(open('$OUT/parity-lora-live.json')); r=d['results']
 print('lora parity', d['ok'], len(r), sum(x['exact'] for x in r), [x['case']+' '+x['against'] for x in r if not x['ok']])" ;;
-  lora)  # per-row LoRA on CUDA: one decode forward per path (exact / stacked), then bench lora (default path)
+  lora)  # per-row LoRA on CUDA: one decode forward per path (stacked / fused), then bench lora per path
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-    for p in exact stacked; do
+    for p in ${PATHS:-stacked fused}; do
       MLXB_LORA_PATH=$p timeout 150 python3 scripts/lora_cost.py /var/tmp/$m ${B:-8} 16 2>&1 | grep -v Warning > "$OUT/lora-cost-$p.txt"
       echo "$p rc=$?"; cat "$OUT/lora-cost-$p.txt"
     done
-    timeout ${LIMIT:-400} python3 -m mlxb.commands.main bench lora -m /var/tmp/$m --adapters 4 --rank 16 --batches ${BATCHES:-8,32} \
-      --gen ${GEN:-48} --repeats ${REPEATS:-2} --out "$OUT/bench-lora.json" > "$OUT/bench-lora.txt" 2>&1
-    echo "bench lora rc=$?"; grep -v Warning "$OUT/bench-lora.txt" | tail -14 ;;
+    for p in ${BENCH_PATHS:-stacked fused}; do
+      timeout ${LIMIT:-200} python3 -m mlxb.commands.main bench lora -m /var/tmp/$m --adapters 4 --rank 16 --batches ${BATCHES:-8,32} \
+        --gen ${GEN:-48} --repeats ${REPEATS:-2} --lora-path $p --out "$OUT/bench-lora-$p.json" > "$OUT/bench-lora-$p.txt" 2>&1
+      echo "bench lora $p rc=$?"; grep -v Warning "$OUT/bench-lora-$p.txt" | tail -12
+    done ;;
   goldens)  # CUDA goldens: every tiny preset x case x B=1..4, fp32 and bf16 (resumable: existing files are kept)
     key=$(python3 -c 'from mlxb.doctor import machine_key; print(machine_key())')
     t0=$(date +%s); timeout ${LIMIT:-540} python3 -m mlxb.commands.main golden-gen --all 2>&1 | tail -4

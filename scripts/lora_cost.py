@@ -71,6 +71,13 @@ def main():
         mx.eval(y0, M)
         ops["stacked mixed (3 ops)"] = lambda: mx.addmm(y0, (xin @ m._a_cat) * M, m._b_cat)
         ops["stacked one (2 ops)"] = lambda: mx.addmm(y0, xin @ m._one[0][0], m._one[0][1])
+    if getattr(m, "_fused", False):  # the fused kernel: the whole delta and the add in one launch
+        from mlxb.kernels import lora_fused
+
+        ctx.set([i % 4 for i in range(B)])
+        y0, sl, sc = m.base(xin), ctx.row_slots(xin), m._fused_scales(xin)
+        mx.eval(y0, sl, sc)
+        ops["fused mixed (1 op)"] = lambda: lora_fused.fused_delta(xin, y0, a, b, sl, sc)
     for k, f in ops.items():
         try:
             print(f"op {k:22s}: {timed(lambda: mx.eval(f()), 100) * 1000:.1f} us", flush=True)
@@ -78,7 +85,7 @@ def main():
             print(f"op {k:22s}: failed: {e}", flush=True)
     n_lora = sum(1 for _, mod in model.named_modules() if type(mod).__name__ == "MultiLoRALinear")
     print(f"LoRA projections: {n_lora}; dtype of factors {a.dtype}, base {xin.dtype}, {mx.default_device()}; "
-          f"stacked path: {getattr(m, '_stacked', False)}")
+          f"path: {ctx.path}")
 
 
 if __name__ == "__main__":

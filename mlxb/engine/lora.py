@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from mlxb.errors import ValidationError
+from mlxb.kernels import lora_fused
 
 
 @dataclass
@@ -66,7 +67,7 @@ class LoRAContext:
         self.ids: Optional[mx.array] = None
         self.one: Optional[int] = None
         self.rank = 0  # every adapter's factors padded to this rank (install)
-        self.path = "exact"  # "stacked" where any projection takes the stacked path (install)
+        self.path = "exact"  # "stacked" / "fused" where any projection takes that path (install)
         self._slots: list[int] = []
         self._masks: dict = {}
 
@@ -86,6 +87,15 @@ class LoRAContext:
         # every row with the same adapter: no gather, one adapter's factors (mlx-lm's LoRALinear exactly)
         self.one = slots[0] if slots and slots[0] >= 0 and all(s == slots[0] for s in slots) else None
         self._slots, self._masks = slots, {}
+        self._row_slots = {1: mx.array(slots, dtype=mx.int32)} if self.ids is not None else {}
+
+    def row_slots(self, x: mx.array) -> mx.array:
+        """int32 [rows]: each row's slot (-1: none) for a forward over ``x`` [batch, L, in] (rows batch-major)."""
+        per = x.size // x.shape[-1] // len(self._slots)
+        r = self._row_slots.get(per)
+        if r is None:
+            r = self._row_slots[per] = mx.repeat(self._row_slots[1], per)
+        return r
 
     def mask(self, dtype) -> mx.array:
         """[rows, 1, adapters * rank]: each row's scale over its adapter's block of the stacked factors,
@@ -114,7 +124,10 @@ class MultiLoRALinear(nn.Module):
         self._each = [(a[i], b[i]) for i in range(a.shape[0])]  # one adapter's factors: views, sliced once
         cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
         self._gather = not cuda  # the exact decode path (below)
-        self._stacked = _stacked_wanted(cuda, a.shape[0] * a.shape[2], b.shape[2], path)
+        kind = _path_for(cuda, a.shape[0] * a.shape[2], b.shape[2], path, a.shape[2], group is None)
+        self._fused = kind == "fused"
+        self._stacked = kind == "stacked"
+        self._scale_arrays: dict = {}  # the fused kernel's per-adapter scales, by promoted dtype
         if self._stacked:  # all adapters' factors side by side, in the base's dtype, each one's B scaled
             n, d_in, r = a.shape
             dt = _compute_dtype(base)
@@ -139,6 +152,8 @@ class MultiLoRALinear(nn.Module):
         if ids.shape[0] != x.shape[0]:
             raise RuntimeError(f"LoRA slots for {ids.shape[0]} rows, forward over {x.shape[0]}")
         one = self._ctx.one
+        if self._fused and y.dtype == x.dtype and lora_fused.supports(self.lora_a.shape[2], x.size // x.shape[-1]):
+            return lora_fused.fused_delta(x, y, self.lora_a, self.lora_b, self._ctx.row_slots(x), self._fused_scales(x))
         if self._stacked and x.dtype == self._dt:
             return self._stacked_delta(x, y, one)
         if one is not None:
@@ -168,6 +183,13 @@ class MultiLoRALinear(nn.Module):
             return mx.addmm(y, self._sum(x @ a), b)
         return mx.addmm(y, self._sum(x @ self._a_cat) * self._ctx.mask(self._dt), self._b_cat)
 
+    def _fused_scales(self, x: mx.array) -> mx.array:
+        dt = mx.result_type(x.dtype, self.lora_a.dtype)  # mlx-lm multiplies z (this dtype) by a Python float
+        s = self._scale_arrays.get(dt)
+        if s is None:
+            s = self._scale_arrays[dt] = mx.array(self._scales, dtype=mx.float32).astype(dt)
+        return s
+
     def _sum(self, xa: mx.array) -> mx.array:
         return xa if self._group is None else mx.distributed.all_sum(xa, group=self._group)
 
@@ -176,20 +198,48 @@ def _compute_dtype(base):
     return base.scales.dtype if hasattr(base, "scales") else base.weight.dtype
 
 
-def _stacked_wanted(cuda: bool, stacked_rank: int, out_dim: int, path: Optional[str] = None) -> bool:
-    """The stacked path (``MultiLoRALinear._stacked_delta``)? ``path`` (``--lora-path``; when not given,
-    ``MLXB_LORA_PATH``, else auto) = exact | stacked | auto: auto takes it on CUDA while all adapters'
-    ranks together stay under a quarter of the layer's outputs, so the extra factor reads stay small."""
+def _path_for(cuda: bool, stacked_rank: int, out_dim: int, path: Optional[str] = None, rank: int = 0,
+              unsharded: bool = True) -> str:
+    """How one projection computes its rows' deltas: exact | stacked | fused. ``path`` (``--lora-path``; when
+    not given, ``MLXB_LORA_PATH``, else auto). auto takes the stacked path on CUDA while all adapters' ranks
+    together stay under a quarter of the layer's outputs (so the extra factor reads stay small), else the exact
+    path. ``fused`` (``mlxb.kernels.lora_fused``) is asked for by name only: on the H200 it was not reliably
+    faster than stacked in the engine (README, LoRA); it needs CUDA and passes a device check at install, and a
+    projection it cannot take (rank above its limit, a --tp sharded-to-all input) takes the stacked path."""
     import os
 
     want = path or os.environ.get("MLXB_LORA_PATH") or "auto"
     if want not in LORA_PATHS:
         raise ValidationError(f"LoRA path {want!r}: use one of {', '.join(LORA_PATHS)} (--lora-path or MLXB_LORA_PATH)",
                               param="lora_path")
-    return want == "stacked" or (want == "auto" and cuda and 4 * stacked_rank <= out_dim)
+    if want == "fused":
+        if not lora_fused.available():
+            raise ValidationError("--lora-path fused needs MLX's CUDA backend (a CUDA GPU as the default device); "
+                                  "use --lora-path exact or stacked here", param="lora_path")
+        if rank <= lora_fused.MAX_RANK and unsharded and _fused_checked():
+            return "fused"
+    if want in ("fused", "stacked") or (want == "auto" and cuda and 4 * stacked_rank <= out_dim):
+        return "stacked"
+    return "exact"
 
 
-LORA_PATHS = ("auto", "exact", "stacked")
+_FUSED_OK = False  # the fused kernel passed its device check in this process
+
+
+def _fused_checked() -> bool:
+    """The fused kernel's device check, once per process; a kernel that fails it refuses the path."""
+    global _FUSED_OK
+    if not _FUSED_OK:
+        try:
+            lora_fused.self_check()
+            lora_fused.self_check(mx.bfloat16, mx.float32)
+        except ValueError as e:
+            raise ValidationError(str(e), param="lora_path") from e
+        _FUSED_OK = True
+    return True
+
+
+LORA_PATHS = ("auto", "exact", "stacked", "fused")
 
 
 def _as(z: mx.array, dtype) -> mx.array:
@@ -228,7 +278,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
             lora_path: Optional[str] = None) -> LoRAContext:
     """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters (under
     ``--tp``, on a sharded model: each rank keeps its part of the factors). ``lora_path``: exact | stacked |
-    auto (see ``_stacked_wanted``)."""
+    auto | fused (see ``_path_for``)."""
     ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
     ctx.scales = [a.scale for a in adapters]
     modules = dict(model.named_modules())
@@ -271,6 +321,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     # evaluated later on the engine thread ("There is no Stream(cpu, 0) in current thread")
     mx.eval([t for _, m in swaps for t in m.tensors()])
     ctx.rank = r
-    ctx.path = "stacked" if any(m._stacked for _, m in swaps) else "exact"
+    ctx.path = ("fused" if any(m._fused for _, m in swaps) else "stacked" if any(m._stacked for _, m in swaps)
+                else "exact")
     model.mlxb_lora = ctx  # the engine's runner finds it here
     return ctx

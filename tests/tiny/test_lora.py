@@ -98,20 +98,26 @@ def test_stacked_path_gives_each_row_its_own_adapter(adapters):
     install(model, [read_adapter("x", adapters["x"]), read_adapter("y", adapters["y"])], lora_path="stacked")
     mods = [m for _, m in model.named_modules() if type(m).__name__ == "MultiLoRALinear"]
     assert mods and all(m._stacked for m in mods)
+    paths = {0: adapters["x"], 1: adapters["y"], -1: None}
+    assert rows_within(model, tok, prompts, paths) < 1e-3
+
+
+def rows_within(model, tok, prompts, paths) -> float:
+    """Rows of adapters x, y and none in one batch: each row's tokens equal mlx-lm alone with its adapter; returns
+    the largest logprob difference. The planted fault (every row's slot shifted by one, so rows take their
+    neighbour's adapter) must change the first row."""
     rows = [(prompts[0], 0, 0), (prompts[1], 1, 0), (prompts[2], -1, 1)]
     ours = run_batch(model, tok, rows)
-    paths = {0: adapters["x"], 1: adapters["y"], -1: None}
     worst = 0.0
     for (prompt, slot, _), got in zip(rows, ours):
         ref = reference(prompt, paths[slot])
         assert [t for t, _ in got] == [t for t, _ in ref]
         worst = max(worst, max(float(np.abs(a.reshape(-1) - b.reshape(-1)).max()) for (_, a), (_, b) in zip(got, ref)))
-    assert worst < 1e-3, worst
-    # the planted fault: every row's slot shifted by one, so rows take their neighbour's adapter
     shifted = run_batch(model, tok, rows[:2], faults=frozenset({"lora_shift"}))
     ref0 = reference(prompts[0], paths[0])
     assert [t for t, _ in shifted[0]] != [t for t, _ in ref0] or max(
         float(np.abs(a.reshape(-1) - b.reshape(-1)).max()) for (_, a), (_, b) in zip(shifted[0], ref0)) > 1e-2
+    return worst
 
 
 def test_stacked_mask_puts_each_rows_scale_on_its_adapters_block():

@@ -27,6 +27,7 @@ PRELUDE = r"""
 namespace cuda { namespace std { using ::std::numeric_limits; } }
 struct dim3_ { int x = 0, y = 0, z = 0; };
 thread_local dim3_ threadIdx, blockIdx;
+static dim3_ gridDim;
 struct uint4 { uint32_t x, y, z, w; };
 using Shape = std::array<int32_t, 8>;
 static std::barrier<>* g_block;
@@ -51,6 +52,7 @@ extern "C" void launch(void** args, int gx, int gy, int gz, int tx) {
   std::vector<std::barrier<>*> warps;
   for (int w = 0; w < (tx + 31) / 32; ++w) { g_warp[w] = new std::barrier<>(tx - w * 32 < 32 ? tx - w * 32 : 32); }
   g_block = &block;
+  gridDim = {gx, gy, gz};
   for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
     std::vector<std::thread> ts;
     for (int t = 0; t < tx; ++t) ts.emplace_back([=]() { blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; CALL; });
@@ -60,7 +62,7 @@ extern "C" void launch(void** args, int gx, int gy, int gz, int tx) {
 }
 """
 
-CTYPES = {np.float32: "float", np.uint32: "uint32_t", np.bool_: "bool"}
+CTYPES = {np.float32: "float", np.uint32: "uint32_t", np.int32: "int32_t", np.bool_: "bool"}
 
 
 class EmulatedKernel:
