@@ -214,7 +214,12 @@ def test_compiled_decode_passes_every_case_on_the_presets_it_serves(dtype):
              "--compile-decode", "--json")
     out = json.loads(r.stdout)
     assert r.returncode == 0 and out["ok"], r.stdout[-3000:]
-    assert len(out["results"]) >= 150 and all(x["exact"] == x["steps"] for x in out["results"])
+    assert len(out["results"]) >= 150
+    # live and this machine's goldens: every row-step exact; the shared layer has no logit hashes (written on
+    # another key), so a case this key has no goldens of yet compares tokens and geometry only, every step
+    assert all(x["exact"] == x["steps"] for x in out["results"] if x["against"] != "golden:shared")
+    assert all(x["exact"] + x["tokens_only"] == x["steps"] for x in out["results"] if x["against"] == "golden:shared")
+    assert sum(x["against"] == "live" for x in out["results"]) >= len(out["results"]) // 2
 
 
 def test_compiled_decode_negative_control_fails():
