@@ -187,7 +187,7 @@ class MultiLoRALinear(nn.Module):
         dt = mx.result_type(x.dtype, self.lora_a.dtype)  # mlx-lm multiplies z (this dtype) by a Python float
         s = self._scale_arrays.get(dt)
         if s is None:
-            s = self._scale_arrays[dt] = mx.array(self._scales, dtype=mx.float32).astype(dt)
+            s = self._scale_arrays[dt] = mx.array(self._scales, dtype=dt)  # made, not lazy: any thread may read it
         return s
 
     def _sum(self, xa: mx.array) -> mx.array:
