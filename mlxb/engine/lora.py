@@ -87,14 +87,14 @@ class LoRAContext:
         # every row with the same adapter: no gather, one adapter's factors (mlx-lm's LoRALinear exactly)
         self.one = slots[0] if slots and slots[0] >= 0 and all(s == slots[0] for s in slots) else None
         self._slots, self._masks = slots, {}
-        self._row_slots = {1: mx.array(slots, dtype=mx.int32)} if self.ids is not None else {}
+        self._row_slots = {}  # made on first use: only the fused path reads them
 
     def row_slots(self, x: mx.array) -> mx.array:
         """int32 [rows]: each row's slot (-1: none) for a forward over ``x`` [batch, L, in] (rows batch-major)."""
         per = x.size // x.shape[-1] // len(self._slots)
         r = self._row_slots.get(per)
         if r is None:
-            r = self._row_slots[per] = mx.repeat(self._row_slots[1], per)
+            r = self._row_slots[per] = mx.array([s for s in self._slots for _ in range(per)], dtype=mx.int32)
         return r
 
     def mask(self, dtype) -> mx.array:

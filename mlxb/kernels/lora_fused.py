@@ -29,7 +29,7 @@ from typing import Optional
 import mlx.core as mx
 
 NT = 256  # threads per block
-TARGET_BLOCKS = int(os.environ.get("MLXB_LORA_BLOCKS", "132"))  # blocks per launch the tiles aim at (each re-does its row's shrink)
+TARGET_BLOCKS = 132  # blocks per launch the tiles aim at (scripts/lora_kernel_cost.py sweeps it)
 MAX_ROWS = 128  # above this (prefill chunks) every row re-reading its A costs more than the exact path
 MAX_RANK = 64  # registers per thread hold one accumulator per rank
 
@@ -129,6 +129,7 @@ CH = 2 * NT  # inputs per shrink block of the split pair
 MODES = ("one", "split")
 _MODE = os.environ.get("MLXB_LORA_KERNEL", "split")  # which variant fused_delta launches (scripts/lora_kernel_cost.py)
 _KERNELS: dict = {}
+_PLANS: dict = {}  # (shape, dtypes, mode, geometry) -> (launch plan, split plan)
 
 
 def available() -> bool:
@@ -185,10 +186,15 @@ def fused_delta(x: mx.array, y: mx.array, a: mx.array, b: mx.array, slots: mx.ar
     for d in lead:
         rows *= d
     x2, y2 = x.reshape(rows, x.shape[-1]), y.reshape(rows, y.shape[-1])
-    plan = launch_plan(rows, y.shape[-1], a.shape[2], x.dtype, a.dtype)
-    if (mode or _MODE) == "split":
-        (part,) = _kernel("shrink")(inputs=[x2, a, slots], output_dtypes=[mx.float32],
-                                    **split_plan(rows, x.shape[-1], a.shape[2], x.dtype, a.dtype))
+    mode = mode or _MODE
+    key = (rows, x.shape[-1], y.shape[-1], a.shape[2], x.dtype, a.dtype, mode, NT, TARGET_BLOCKS)
+    plans = _PLANS.get(key)
+    if plans is None:  # built once per shape: this runs for every adapted projection of every step
+        plans = _PLANS[key] = (launch_plan(rows, y.shape[-1], a.shape[2], x.dtype, a.dtype),
+                               split_plan(rows, x.shape[-1], a.shape[2], x.dtype, a.dtype) if mode == "split" else None)
+    plan = plans[0]
+    if mode == "split":
+        (part,) = _kernel("shrink")(inputs=[x2, a, slots], output_dtypes=[mx.float32], **plans[1])
         (out,) = _kernel("expand")(inputs=[y2, part, b, slots, scales], output_dtypes=[y.dtype], **plan)
     else:
         (out,) = _kernel("one")(inputs=[x2, y2, a, b, slots, scales], output_dtypes=[y.dtype], **plan)

@@ -174,3 +174,29 @@ def test_fused_path_is_refused_off_cuda_naming_the_other_paths(tmp_path):
     model, *_ = load_model("tiny-llama")
     with pytest.raises(ValidationError, match="needs MLX's CUDA backend.*exact or stacked"):
         lora.install(model, [lora.read_adapter("x", str(tmp_path / "x"))], lora_path="fused")
+
+
+def test_fused_delta_builds_each_shapes_launch_plans_once(monkeypatch):
+    """The plans are built once per shape (this runs for every adapted projection of every step) and again when
+    the geometry changes; the launch itself is recorded, not run (it needs CUDA)."""
+    seen = []
+
+    def kernel(which):
+        def launch(inputs, output_dtypes, template, grid, threadgroup, output_shapes):
+            seen.append((which, template, grid))  # kept alive, so a rebuilt plan has a new id
+            return (mx.zeros(output_shapes[0], dtype=output_dtypes[0]),)
+        return launch
+
+    monkeypatch.setattr(lf, "_kernel", kernel)
+    monkeypatch.setattr(lf, "_PLANS", {})
+    x, y = mx.zeros((4, 1, 96)), mx.zeros((4, 1, 300))
+    a, b = mx.zeros((2, 96, 8)), mx.zeros((2, 8, 300))
+    slots, scales = mx.array([0, 1, -1, 0], dtype=mx.int32), mx.array([1.0, 2.0])
+    for _ in range(3):
+        assert lf.fused_delta(x, y, a, b, slots, scales, "split").shape == (4, 1, 300)
+    assert [w for w, _, _ in seen] == ["shrink", "expand"] * 3 and len({id(t) for _, t, _ in seen}) == 2
+    monkeypatch.setattr(lf, "TARGET_BLOCKS", 1)
+    lf.fused_delta(x, y, a, b, slots, scales, "one")
+    # at 132 target blocks the 300 outputs took two tiles a row; at 1, one tile a row
+    assert seen[1][2] == (2 * lf.NT, 4, 1)
+    assert len(lf._PLANS) == 2 and seen[-1][0] == "one" and seen[-1][2] == (lf.NT, 4, 1)
