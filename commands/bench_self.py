@@ -47,18 +47,21 @@ def spec_bench(
     spec_max_batch: int = typer.Option(64, "--spec-max-batch", min=1, help="Speculate up to this many rows (the bench default measures every B)."),
     spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Draft --num-draft-tokens every step (no adaptation or pauses), as serve --spec-fixed."),
     batches: str = typer.Option("1,8", "--batches"),
-    regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random."),
+    regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random, looping (the prompt ends in the model's own greedy output, where random-weight models loop)."),
     context: int = typer.Option(512, "--context", min=8, help="Prompt tokens per row."),
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Speculative decoding vs plain decoding on our engine: decode tok/s ratios with the acceptance."""
-    from mlxb.bench.spec import run
+    from mlxb.bench.spec import ALL_REGIMES, run
     from mlxb.engine.build import build_spec
     from mlxb.models import load_model
 
     bs = _ints(batches, "--batches", "1,8")
+    bad = [g for g in regimes.split(",") if g not in ALL_REGIMES]
+    if bad:
+        raise typer.BadParameter(f"{bad[0]!r}: choose from {', '.join(ALL_REGIMES)}", param_hint="--regimes")
     m, tok, mspec, path = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
                      draft_model, dtype, spec_max_batch, adaptive=not spec_fixed)

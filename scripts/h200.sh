@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|specloop|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -105,6 +105,17 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m /var/tmp/$m --spec lookup --batches ${BATCHES:-1,8} --context 512 --gen ${GEN:-128} \
       --repeats ${REPEATS:-3} --out "$OUT/bench-spec-ctl.json" 2>&1 | grep -v Warning | tail -14 ;;
+  specloop)  # issue 15: lookup on looping output (the prompt ends in the model's own greedy loop) and random prompts, B=1 and 8;
+             # then a random synth-llama-1b draft for synth-llama-8b (acceptance about 0); then the controller's trace at random B=8
+    for m in synth-llama-8b synth-llama-1b; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    done
+    export MLX_CUDA_USE_CUDNN_SDPA=0
+    timeout ${LIMIT1:-300} mlxb bench spec -m /var/tmp/synth-llama-8b --spec lookup --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-1,8} \
+      --spec-max-batch 8 --context 512 --gen ${GEN:-128} --repeats ${REPEATS:-3} --out "$OUT/bench-spec-loop.json" 2>&1 | grep -v Warning | tail -14
+    [ -n "${DRAFT:-1}" ] && timeout ${LIMIT2:-150} mlxb bench spec -m /var/tmp/synth-llama-8b --draft-model /var/tmp/synth-llama-1b --regimes random \
+      --batches ${BATCHES:-1,8} --spec-max-batch 8 --context 512 --gen ${GEN:-128} --repeats 2 --out "$OUT/bench-spec-draft1b.json" 2>&1 | grep -v Warning | tail -10
+    [ -n "${TRACE:-1}" ] && timeout ${LIMIT3:-90} python3 scripts/spec_trace.py /var/tmp/synth-llama-8b random:8 2 128 2>&1 | grep -v Warning | tee "$OUT/trace-random-b8.txt" | cut -c1-1500 ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

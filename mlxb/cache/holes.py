@@ -12,7 +12,8 @@ small copies per layer). Instead the rejected entries stay where they are and be
 * ``compact`` moves every row's holes to its left padding in one gather per array (holes first,
   then the row's columns in order); row operations that hand rows elsewhere (filter, extend,
   extract) compact first, and the verify step compacts when a row's holes pass a bound
-  (``hole_counts``, kept on the host).
+  (``hole_counts``, kept on the host); before plain steps, adaptive speculation compacts with ``trim``,
+  which also drops the padding every row then shares.
 """
 
 from __future__ import annotations
@@ -69,26 +70,33 @@ def unholed(c, mask: mx.array) -> mx.array:
     return mask & ~h[:, None, None, :T]
 
 
-def compaction(c) -> tuple[mx.array, mx.array]:
-    """(gather index [B, 1, T, 1]: each row's holes first, then its columns in order; holes per row),
-    read from ``c``'s holes (one host read). Layers that took the same steps share it."""
+def compaction(c, trim: bool = False) -> tuple[mx.array, mx.array, int]:
+    """(gather index [B, 1, T - m, 1]: each row's holes first, then its columns in order; holes per row;
+    m), read from ``c``'s holes (one host read). ``trim``: m is the padding every row has once its holes
+    join it (also a host read), dropped from the front, so that a batch whose rows all rejected as many
+    entries is unpadded (aligned) again; else 0. Layers that took the same steps share it."""
     T = c._idx
     h = np.array(c.holes[:, :T])
     if h.shape[1] < T:
         h = np.concatenate([h, np.zeros((h.shape[0], T - h.shape[1]), dtype=bool)], axis=1)
+    counts = h.sum(axis=1)
+    m = int((np.array(c.left_padding) + counts).min()) if trim else 0
     cols = np.arange(T)
-    order = np.stack([np.concatenate([cols[r], cols[~r]]) for r in h]).astype(np.int32)
-    return mx.array(order)[:, None, :, None], mx.array(h.sum(axis=1).astype(np.int32))
+    order = np.stack([np.concatenate([cols[r], cols[~r]])[m:] for r in h]).astype(np.int32)
+    return mx.array(order)[:, None, :, None], mx.array(counts.astype(np.int32)), m
 
 
 def compact(c, plan: Optional[tuple] = None) -> None:
     """Move every row's holes to its left padding (one gather per array); no holes afterwards.
-    ``plan``: a ``compaction`` already read from a layer with the same holes."""
+    ``plan``: a ``compaction`` already read from a layer with the same holes (with ``trim``, the
+    padding all rows share leaves the buffer: the same gather writes ``m`` columns fewer)."""
     if getattr(c, "holes", None) is None:
         return
-    ix, counts = plan or compaction(c)
-    T = ix.shape[2]
+    ix, counts, m = plan or compaction(c)
+    T = c._idx
+    n = T - m
     for a in _arrays(c):
-        a[..., :T, :] = mx.take_along_axis(a[..., :T, :], ix, axis=2)
-    c.left_padding = c.left_padding + counts
+        a[..., :n, :] = mx.take_along_axis(a[..., :T, :], ix, axis=2)
+    c.left_padding = c.left_padding + counts - m
+    c._idx = n
     c.holes, c.hole_counts = None, None

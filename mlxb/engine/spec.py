@@ -208,14 +208,18 @@ def settle_holes(r) -> None:
     plain): more plain steps follow, and a step over a layer with holes pays the masked attention path.
     On the H200 (synth-llama-8b, B=8) plain steps after a verify step took 12.5 ms against 8.2 ms aligned
     (``scripts/spec_trace.py``). One gather per array, once; --spec-fixed keeps the compaction bound of the
-    parity protocol (a plain step there is rare)."""
+    parity protocol (a plain step there is rare). The padding every row then shares leaves the buffer
+    (``trim``): a batch that was aligned before the verify step and whose rows all kept as many drafts
+    (all of none, say) is aligned again, so its plain steps skip the mask once more."""
     plan = None
     for c, k in zip(r.caches, r.kinds):
         if k in ("full", "latent") and getattr(c, "holes", None) is not None:
-            plan = plan or compaction(c)
+            plan = plan or compaction(c, trim=True)
             compact(c, plan)
-    if plan is not None and hasattr(r, "mirror_compact"):  # --tp: every rank compacts its shard alike
-        r.mirror_compact()
+    if plan is not None:
+        r._align()
+        if hasattr(r, "mirror_compact"):  # --tp: every rank compacts its shard alike
+            r.mirror_compact()
 
 
 def settle(r, kept: list[int], last: list[int], width: int) -> None:

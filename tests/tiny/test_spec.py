@@ -363,6 +363,10 @@ def test_adaptive_speculation_compacts_the_holes_when_the_batch_goes_plain(tiny_
     flushed, props = prepare(r)  # right after a verify step nothing is pending: nothing flushed
     assert props is None and not flushed and r.spec_why == "bar" and not holed()
     assert all(c.hole_counts is None for c, k in zip(r.caches, r.kinds) if k == "full")
+    # the padding every row shares left the buffer, and the aligned flag follows the rows' lengths
+    full = [c for c, k in zip(r.caches, r.kinds) if k == "full"]
+    assert all(int(mx.min(c.left_padding).item()) == 0 for c in full)
+    assert all(c.aligned == (len({row.base + r.num_steps for row in r.rows}) == 1) for c in full)
     while eng._live:
         eng.iterate()
     plain, _ = run(model, tok, prompts, [0, 0, 0, 0], 4, 30, sp=SamplingParams())
