@@ -111,9 +111,9 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     done
     export MLX_CUDA_USE_CUDNN_SDPA=0
-    timeout ${LIMIT1:-300} mlxb bench spec -m /var/tmp/synth-llama-8b --spec lookup --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-1,8} \
+    timeout ${LIMIT1:-300} python3 -m mlxb.commands.main bench spec -m /var/tmp/synth-llama-8b --spec lookup --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-1,8} \
       --spec-max-batch 8 --context 512 --gen ${GEN:-128} --repeats ${REPEATS:-3} --out "$OUT/bench-spec-loop.json" 2>&1 | grep -v Warning | tail -14
-    [ -n "${DRAFT:-1}" ] && timeout ${LIMIT2:-150} mlxb bench spec -m /var/tmp/synth-llama-8b --draft-model /var/tmp/synth-llama-1b --regimes random \
+    [ -n "${DRAFT:-1}" ] && timeout ${LIMIT2:-150} python3 -m mlxb.commands.main bench spec -m /var/tmp/synth-llama-8b --draft-model /var/tmp/synth-llama-1b --regimes random \
       --batches ${BATCHES:-1,8} --spec-max-batch 8 --context 512 --gen ${GEN:-128} --repeats 2 --out "$OUT/bench-spec-draft1b.json" 2>&1 | grep -v Warning | tail -10
     [ -n "${TRACE:-1}" ] && timeout ${LIMIT3:-90} python3 scripts/spec_trace.py /var/tmp/synth-llama-8b random:8 2 128 2>&1 | grep -v Warning | tee "$OUT/trace-random-b8.txt" | cut -c1-1500 ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step

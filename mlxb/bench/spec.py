@@ -67,6 +67,23 @@ def greedy_tails(engine: Engine, prompts: list[list[int]], n: int) -> list[list[
     return tails
 
 
+def loop_period(tail: list[int]) -> int:
+    """The shortest period (up to 32) that ``tail`` repeats with; 0: none."""
+    return next((k for k in range(1, 33) if all(tail[i] == tail[i - k] for i in range(k, len(tail)))), 0)
+
+
+def steps_by_decision(trace, rows: int) -> dict:
+    """The speculating arm's steps with all ``rows`` rows, by what decided them (verify, bar, paused, no
+    drafts, batch), with their median milliseconds and the batch's cache state after them (A aligned,
+    M masked, H holes): where a speculating engine's time went."""
+    by: dict = {}
+    for why, n, *_, dt, _ratio, state in trace:
+        if n == rows:
+            by.setdefault(f"{why}:{state}", []).append(dt)
+    return {"steps": {k: len(v) for k, v in by.items()},
+            "step_ms": {k: round(1000 * statistics.median(v), 2) for k, v in by.items()}}
+
+
 def looping_prompts(engine: Engine, n: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """``context``-token prompts: ``LOOP_HEAD`` random tokens (a quarter of short contexts), then the
     model's own greedy continuation."""
@@ -102,12 +119,15 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                         say(f"{regime} B={b} repeat {rep} {arm}")
                         e = engines[arm]
                         before = dict(e.runner.spec_counts)
+                        e.runner.step_cost.trace.clear()
                         tps = _decode_tps(e, prompts, gen, prefill_chunk)
                         c = e.runner.spec_counts
                         drafted = c["drafted"] - before.get("drafted", 0)
                         accepted = c["accepted"] - before.get("accepted", 0)
                         rows.append({"regime": regime, "B": b, "repeat": rep, "arm": arm, "tok_s": tps,
-                                     "drafted": drafted, "accepted": accepted})
+                                     "drafted": drafted, "accepted": accepted,
+                                     "prompt_periods": [loop_period(p[-64:]) for p in prompts],
+                                     **(steps_by_decision(e.runner.step_cost.trace, b) if arm == "spec" else {})})
     finally:
         for e in engines.values():
             e.shutdown()

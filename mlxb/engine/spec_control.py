@@ -37,6 +37,25 @@ class RowSpec:
     evidence: int = 0  # verify steps and shadow drafts that measured ``alpha``
     shadow: list = field(default_factory=list)  # lookup drafts made while plain, checked against what follows
     shadow_at: int = 0  # the row's token count when they were made
+    _buf: np.ndarray = field(default=None, repr=False)  # prompt + emitted tokens, grown in place (``history``)
+    _seen: int = 0
+
+    def history(self, tokens: list) -> np.ndarray:
+        """The prompt and ``tokens`` (the row's emitted tokens, which only grow) as one array, appended to
+        in place rather than rebuilt from the list on every step."""
+        n0, n = self.prompt.shape[0], self.prompt.shape[0] + len(tokens)
+        if len(tokens) < self._seen:  # not the same row's tokens: rebuild
+            self._buf, self._seen = None, 0
+        if self._buf is None or self._buf.shape[0] < n:
+            buf = np.empty(max(2 * n, 256), dtype=np.int64)
+            buf[:n0] = self.prompt
+            if self._seen:
+                buf[n0 : n0 + self._seen] = self._buf[n0 : n0 + self._seen]
+            self._buf = buf
+        if len(tokens) > self._seen:
+            self._buf[n0 + self._seen : n] = tokens[self._seen :]
+            self._seen = len(tokens)
+        return self._buf[:n]
 
     def adapt(self, n: int, a: int, cost: float = MIN_GAIN) -> None:
         """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
@@ -175,8 +194,11 @@ def pays(r) -> bool:
     cost in plain steps, or the measured cost is stale (with --spec-fixed: always). In a batch of more
     than one row a row counts only with evidence of its acceptance (verify steps or shadow drafts, not
     the starting guess): every row pays for a probe at the guess, and on a 2-core CPU such probes with
-    random prompts cost B=8 a fifth of its speed (0.79x) before the first cost was measured; a lone row
-    still probes at the guess (shadow drafts settle a few steps later). An aligned batch would pay the
+    random prompts cost B=8 a fifth of its speed (0.79x) before the first cost was measured. A lone row
+    waits for its shadow drafts too (prompt lookup): on the H200 probes at the guess with random prompts
+    cost a lone 8B row a third of its speed (0.68x, 10% of 52 drafts kept), since each one, and each
+    lookup that finds nothing, stops the pipeline; a draft model's lone row, which has no shadow drafts,
+    still probes at the guess. An aligned batch would pay the
     mask on every later step: there the cost is over the aligned step and
     includes the mask's; a stale cost is not a probe there but counts as ``MIN_GAIN`` (measured on the
     H200, synth-llama-8b, B=8: probes at the starting guess turned an aligned batch masked and held it
@@ -184,8 +206,9 @@ def pays(r) -> bool:
     if not r.spec.adaptive:
         return True
     n, cost, flat = len(r.rows), r.step_cost, aligned(r)
+    guess = n == 1 and not flat and not getattr(getattr(r, "proposer", None), "shadows", False)
     total = sum(gain(row.spec) if row.spec is not None and row.spec.cooldown == 0
-                and (row.spec.evidence or (n == 1 and not flat)) else 1.0 for row in r.rows)
+                and (row.spec.evidence or guess) else 1.0 for row in r.rows)
     if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty
         bar = (MIN_GAIN if cost.stale_at(n) else cost.ratio_at(n, True)) * cost.penalty_at(n)
         return total >= bar * n
@@ -214,7 +237,7 @@ def shadow(r, proposer) -> None:
     if free:
         row = free[r.num_steps % len(free)]
         st = row.spec
-        st.shadow = proposer.propose(np.concatenate([st.prompt, np.asarray(row.tokens, dtype=np.int64)]), st.kmax)
+        st.shadow = proposer.propose(st.history(row.tokens), st.kmax)
         st.shadow_at = len(row.tokens)
 
 

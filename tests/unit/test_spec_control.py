@@ -152,7 +152,8 @@ def test_an_aligned_batch_speculates_only_on_evidence():
     """An aligned batch (no mask on its steps) loses that with its first verify step: fresh rows (the
     starting guess only) do not open the bar there, rows with measured high acceptance do, and the bar
     includes what a masked step costs over an aligned one. A padded batch waits for evidence too (every
-    row would pay for a probe at the guess); a lone row probes at the guess."""
+    row would pay for a probe at the guess); a lone row probes at the guess only without shadow drafts
+    (a draft model), prompt lookup's waits for them too."""
     from types import SimpleNamespace as NS
 
     from mlxb.engine.spec import RowSpec, StepCost, pays
@@ -173,7 +174,14 @@ def test_an_aligned_batch_speculates_only_on_evidence():
     cost.observe(True, 0.016, rows=1)
     for _ in range(StepCost.REFILL + 1):
         cost.observe(False, 0.008, rows=1)
-    assert pays(NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4))], step_cost=cost, merged=False))  # 2.77 >= 2
+    draft, lookup = NS(shadows=False), NS(shadows=True)
+    lone = lambda proposer: NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4))], step_cost=cost,  # noqa: E731
+                               merged=False, proposer=proposer)
+    assert pays(lone(draft))  # a draft model's lone row probes at the guess: 2.77 >= 2
+    assert not pays(lone(lookup))  # prompt lookup's waits for its shadow drafts
+    ev = lone(lookup)
+    ev.rows[0].spec.learn(4, 4)
+    assert pays(ev)
     for row in fresh:
         row.spec.learn(4, 3)  # alpha 0.72 measured: 2.9 tokens against 1.6 padded
     assert pays(r)
@@ -209,3 +217,29 @@ def test_an_aligned_batch_measures_a_stale_cost_again_on_evidence():
     for row in rows:
         row.spec.evidence = 0  # the starting guess alone still does not
     assert not pays(r)
+
+
+def test_lookup_matches_the_reference_search_and_the_history_buffer_follows_the_row():
+    """The vectorized lookup (narrowed from the positions of the last token) proposes exactly what the
+    oracle's plain search over every n-gram proposes, on short and long histories of small and large
+    vocabularies; a row's history buffer equals prompt + emitted tokens as they grow past its size."""
+    from mlxb.engine.spec import LookupProposer, RowSpec
+    from mlxb.oracle.spec import lookup
+
+    rng = np.random.default_rng(3)
+    for _ in range(400):
+        vocab = int(rng.choice([2, 5, 50, 8000]))
+        h = rng.integers(0, vocab, size=int(rng.integers(0, 700)))
+        if rng.random() < 0.3 and h.size > 8:  # a repeated block: long matches
+            h = np.concatenate([h, h[: int(rng.integers(1, h.size))]])
+        k, n = int(rng.integers(0, 7)), int(rng.integers(1, 6))
+        assert LookupProposer(n).propose(h, k) == lookup(h.tolist(), k, n), (k, n)
+    h = np.array([1, 2, 3, 5, 2, 3, 7, 1, 2, 3])  # the only 3-gram match starts the history
+    assert LookupProposer(3).propose(h, 4) == lookup(h.tolist(), 4, 3) == [5, 2, 3, 7]
+    st = RowSpec(4, 4, np.arange(5, dtype=np.int64))
+    tokens: list = []
+    for step in range(600):
+        tokens += rng.integers(0, 99, size=int(rng.integers(1, 4))).tolist()
+        if step % 7 == 0:
+            assert st.history(tokens).tolist() == list(range(5)) + tokens
+    assert st.history([1, 2]).tolist() == [0, 1, 2, 3, 4, 1, 2]  # fewer tokens: another row's list, rebuilt
