@@ -107,15 +107,15 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       --repeats ${REPEATS:-3} --out "$OUT/bench-spec-ctl.json" 2>&1 | grep -v Warning | tail -14 ;;
   specloop)  # issue 15: lookup on looping output (the prompt ends in the model's own greedy loop) and random prompts, B=1 and 8;
              # then a random synth-llama-1b draft for synth-llama-8b (acceptance about 0); then the controller's trace at random B=8
-    for m in synth-llama-8b synth-llama-1b; do
+    for m in synth-llama-8b $([ "${DRAFT:-1}" = 1 ] && echo synth-llama-1b); do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     done
     export MLX_CUDA_USE_CUDNN_SDPA=0
     timeout ${LIMIT1:-300} python3 -m mlxb.commands.main bench spec -m /var/tmp/synth-llama-8b --spec lookup --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-1,8} \
-      --spec-max-batch 8 --context 512 --gen ${GEN:-128} --repeats ${REPEATS:-3} --out "$OUT/bench-spec-loop.json" 2>&1 | grep -v Warning | tail -14
-    [ -n "${DRAFT:-1}" ] && timeout ${LIMIT2:-150} python3 -m mlxb.commands.main bench spec -m /var/tmp/synth-llama-8b --draft-model /var/tmp/synth-llama-1b --regimes random \
-      --batches ${BATCHES:-1,8} --spec-max-batch 8 --context 512 --gen ${GEN:-128} --repeats 2 --out "$OUT/bench-spec-draft1b.json" 2>&1 | grep -v Warning | tail -10
-    [ -n "${TRACE:-1}" ] && timeout ${LIMIT3:-90} python3 scripts/spec_trace.py /var/tmp/synth-llama-8b random:8 2 128 2>&1 | grep -v Warning | tee "$OUT/trace-random-b8.txt" | cut -c1-1500 ;;
+      --spec-max-batch 8 --context ${CONTEXT:-512} --gen ${GEN:-128} --repeats ${REPEATS:-3} --out "$OUT/bench-spec-loop.json" 2>&1 | grep -v Warning | tail -14
+    [ "${DRAFT:-1}" = 1 ] && timeout ${LIMIT2:-150} python3 -m mlxb.commands.main bench spec -m /var/tmp/synth-llama-8b --draft-model /var/tmp/synth-llama-1b --regimes random \
+      --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen ${GEN:-128} --repeats 2 --out "$OUT/bench-spec-draft1b.json" 2>&1 | grep -v Warning | tail -10
+    [ "${TRACE:-1}" = 1 ] && timeout ${LIMIT3:-90} python3 scripts/spec_trace.py /var/tmp/synth-llama-8b random:8 2 128 2>&1 | grep -v Warning | tee "$OUT/trace-random-b8.txt" | cut -c1-1500 ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
