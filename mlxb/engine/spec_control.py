@@ -17,6 +17,7 @@ import numpy as np
 
 MISS_LIMIT, COOLDOWN, MAX_COOLDOWN = 4, 16, 128  # lookups that find nothing; steps without proposals
 ALPHA0, MIN_GAIN = 0.7, 2.0  # starting acceptance estimate; tokens a verify step must be expected to give
+PROBE_GAIN = 1.5  # a stale cost is probed only for rows expected to gain this much (it may have been a compile)
 MASK_PENALTY = 1.25  # a masked step over an aligned one until both were measured (H200, 8B, B=8: 10.4 / 8.2 ms)
 
 
@@ -191,7 +192,8 @@ def pays(r) -> bool:
     """A verify step is taken by the whole batch: every row pays its cost (``StepCost``), while only the
     speculating rows gain more than one token. Worth it when the rows' expected tokens per step, a
     speculating row's 1 + alpha + ... + alpha^k and every other row's 1, average at least the measured
-    cost in plain steps, or the measured cost is stale (with --spec-fixed: always). In a batch of more
+    cost in plain steps, or the measured cost is stale and the rows' expected tokens average ``PROBE_GAIN``
+    (with --spec-fixed: always): rows whose shadow drafts show no acceptance do not pay for a probe. In a batch of more
     than one row a row counts only with evidence of its acceptance (verify steps or shadow drafts, not
     the starting guess): every row pays for a probe at the guess, and on a 2-core CPU such probes with
     random prompts cost B=8 a fifth of its speed (0.79x) before the first cost was measured. A lone row
@@ -212,7 +214,7 @@ def pays(r) -> bool:
     if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty
         bar = (MIN_GAIN if cost.stale_at(n) else cost.ratio_at(n, True)) * cost.penalty_at(n)
         return total >= bar * n
-    return total >= cost.ratio_at(n) * n or cost.stale_at(n)
+    return total >= cost.ratio_at(n) * n or (cost.stale_at(n) and total >= PROBE_GAIN * n)
 
 
 def shadow(r, proposer) -> None:

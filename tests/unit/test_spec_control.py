@@ -104,7 +104,8 @@ def test_a_verify_step_runs_only_when_the_whole_batch_gains():
 
 def test_a_high_verify_cost_is_measured_again_after_a_while():
     """A cost that shut the bar (a first-shape compile, another batch size) does not keep it shut: after
-    StepCost.PROBE plain steps one verify step may run and measure it again."""
+    StepCost.PROBE plain steps one verify step may run and measure it again, for rows expected to gain
+    from it (``PROBE_GAIN``), not for rows whose drafts are rarely kept."""
     from types import SimpleNamespace as NS
 
     from mlxb.engine.spec import RowSpec, StepCost, pays
@@ -120,6 +121,8 @@ def test_a_high_verify_cost_is_measured_again_after_a_while():
     assert not pays(r)
     cost.observe(False, 0.005)
     assert pays(r)
+    hopeless = NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4, alpha=0.1, evidence=3))], step_cost=cost)
+    assert cost.stale and not pays(hopeless)  # shadow drafts kept nothing: no probe for that row
     cost.observe(True, 0.009)  # measured again: 1.8 plain steps now
     assert pays(r) and not cost.stale
 
