@@ -128,13 +128,17 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                         e = engines[arm]
                         before = dict(e.runner.spec_counts)
                         e.runner.step_cost.trace.clear()
+                        t_before = dict(e.runner.timing)
                         tps = _decode_tps(e, prompts, gen, prefill_chunk)
+                        host = {k: round(v - t_before.get(k, 0.0), 4) for k, v in e.runner.timing.items()
+                                if k.startswith("verify_") or k in ("steps", "build_s", "launch_s", "wait_s")}
                         c = e.runner.spec_counts
                         drafted = c["drafted"] - before.get("drafted", 0)
                         accepted = c["accepted"] - before.get("accepted", 0)
                         rows.append({"regime": regime, "B": b, "repeat": rep, "arm": arm, "tok_s": tps,
                                      "drafted": drafted, "accepted": accepted,
                                      "prompt_periods": [loop_period(p[-64:]) for p in prompts],
+                                     "host_s": host,  # summed host seconds of the arm's steps (runner.timing)
                                      **(steps_by_decision(e.runner.step_cost.trace, b) if arm == "spec" else {})})
     finally:
         for e in engines.values():
