@@ -49,6 +49,7 @@ def test_oracle_imports_no_engine_code():
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
+@pytest.mark.slow  # 6-7 minutes on 2 cores: in CI's slow job (.ci/run), so the default run stays near 15 minutes
 def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     r = mlxb("parity", "--all", "--against", "both", "--json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
