@@ -267,6 +267,7 @@ def engine(
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel: run `mlxb bench tp` (our engine over N ranks vs one device; start every rank under mlx.launch)."),
     adapters: int = typer.Option(0, "--adapters", min=0, max=64, help="LoRA: run `mlxb bench lora` with this many random-weight adapters mixed (vs no adapter, one adapter, and mlx-lm's fused model)."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run a second engine with --compile-batch (compiled lone-row and batch steps), interleaved with our plain engine and mlx-lm."),
+    skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: each aggregate arm at B>1 also runs our engine with serve's --skinny-matmul on the same prompts."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
     if adapters and tp > 1:
@@ -298,9 +299,16 @@ def engine(
         from mlxb.engine.build import check_compile_decode
 
         check_compile_decode(m, batch=2)
+    if skinny_matmul:
+        from mlxb.engine.build import use_skinny_matmul
+        from mlxb.kernels import skinny
+
+        use_skinny_matmul(m)  # refuses off CUDA, checks the kernel; the arms switch it on and off
+        skinny.uninstall(m)
     with status("benchmarking ...") as st:
         res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
-                  progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode)
+                  progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode,
+                  skinny=skinny_matmul)
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|specloop|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|specloop|skinny|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -116,6 +116,20 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     [ "${DRAFT:-1}" = 1 ] && timeout ${LIMIT2:-150} python3 -m mlxb.commands.main bench spec -m /var/tmp/synth-llama-8b --draft-model /var/tmp/synth-llama-1b --regimes random \
       --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen ${GEN:-128} --repeats 2 --out "$OUT/bench-spec-draft1b.json" 2>&1 | grep -v Warning | tail -10
     [ "${TRACE:-1}" = 1 ] && timeout ${LIMIT3:-90} python3 scripts/spec_trace.py /var/tmp/synth-llama-8b random:8 2 128 2>&1 | grep -v Warning | tee "$OUT/trace-random-b8.txt" | cut -c1-1500 ;;
+  skinny)  # the skinny matmul (--skinny-matmul): per-projection cost and exactness against MLX's matmul, then bench engine
+           # with skinny arms at B>1; PART=2: bench spec (lookup; looping and random) with both engines on it
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    export MLX_CUDA_USE_CUDNN_SDPA=0
+    if [ "${PART:-1}" = 1 ]; then
+      timeout ${LIMIT1:-200} python3 scripts/skinny_cost.py --out "$OUT/skinny-cost.json" --repeats 3 2>&1 | grep -v Warning | cut -c1-400
+      timeout ${LIMIT2:-280} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8,16} --prompt-len 128 --gen 128 \
+        --repeats ${REPEATS:-3} --prefill-len 512 --skinny-matmul --out "$OUT/engine-skinny.json" 2>&1 | grep -v Warning | tail -24
+    else
+      timeout ${LIMIT3:-560} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup --regimes ${REGIMES:-looping,random} \
+        --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen 128 --repeats ${REPEATS:-2} --skinny-matmul \
+        --out "$OUT/bench-spec-skinny.json" 2>&1 | grep -v Warning | tail -14
+    fi ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -22,6 +22,8 @@ on the last of three joiners for the same reason (each joiner's stall is kept in
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import statistics
 import time
@@ -169,8 +171,10 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
-        progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False) -> dict:
-    """``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
+        progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False, skinny: bool = False) -> dict:
+    """``skinny``: each aggregate arm at B > 1 also runs our engine with ``--skinny-matmul`` on the same prompts
+    (rows ``aggregate_skinny_tps`` against mlx-lm and ``aggregate_skinny_over_plain``; CUDA only).
+    ``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
     (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)
     and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``)."""
     vocab = int(getattr(model.args, "vocab_size", 8192))
@@ -201,6 +205,9 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             ps = _prompts(B, prompt_len, vocab, 5000 + B, ragged)
             ours(engine, ps, gen)
             peer_batch(model, ps, gen)
+            if skinny and B > 1:
+                with skinny_on(model):
+                    ours(engine, ps, gen)
         for rep in range(repeats):
             p1 = _prompts(1, prompt_len, vocab, rep)[0]
             say(f"repeat {rep + 1}/{repeats}: B=1 decode")
@@ -227,6 +234,16 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                 ps = _prompts(B, prompt_len, vocab, 1000 * rep + B, ragged)
                 a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
                 assert a["tokens"] == b["tokens"] == B * gen, (a, b)
+                if skinny and B > 1:  # the same engine with the skinny products, same prompts
+                    with skinny_on(model):
+                        c = ours(engine, ps, gen)
+                    sfx = "_ragged" if ragged else ""
+                    rows.append({"metric": "aggregate_skinny" + sfx + "_tps", "B": B, "repeat": rep,
+                                 "ours": c["tokens"] / c["wall"], "peer": b["tokens"] / b["wall"],
+                                 "peer_name": "mlx_lm.BatchGenerator"})
+                    rows.append({"metric": "aggregate_skinny_over_plain" + sfx, "B": B, "repeat": rep,
+                                 "ours": c["tokens"] / c["wall"], "peer": a["tokens"] / a["wall"],
+                                 "peer_name": "mlxb plain step"})
                 if comp is not None and B > 1:  # the compiled batch step against our plain one, same prompts
                     c = ours(comp, ps, gen)
                     rows.append({"metric": "aggregate_compiled_over_plain" + ("_ragged" if ragged else ""), "B": B,
@@ -261,4 +278,16 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         peak = None
     return {"rows": rows, "summary": summary, "peak_memory_bytes": peak, "late_joiner_stall": stall,
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
-                       "prefill_len": prefill_len, "compile_decode": compile_decode}}
+                       "prefill_len": prefill_len, "compile_decode": compile_decode, "skinny_matmul": skinny}}
+
+
+@contextlib.contextmanager
+def skinny_on(model):
+    """The model's plain Linear layers on the skinny kernel for the block (the mlx-lm arms never see it)."""
+    from mlxb.kernels import skinny
+
+    skinny.install(model)
+    try:
+        yield
+    finally:
+        skinny.uninstall(model)

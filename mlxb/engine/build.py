@@ -112,7 +112,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
                   spec_max_batch: int = 1, spec_fixed: bool = False, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
-                  compile_decode: bool = False, compile_batch: bool = False, **engine_kw) -> Gateway:
+                  compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
+                  **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     link = tp_link(tp, batch=batch) if tp > 1 else None
     scheme = None
@@ -141,6 +142,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     if (spec is not None or draft_model is not None) and (link is None or link.rank == 0):  # proposers: rank 0
         engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
                                        spec_max_batch, adaptive=not spec_fixed)
+    if skinny_matmul:  # after the adapters (their base products take it too) and the draft model
+        use_skinny_matmul(m, engine_kw.get("spec"))
     if kv_config is not None:
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -200,6 +203,29 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.attention_kernels = attention
     freeze_heap()
     return gw
+
+
+def use_skinny_matmul(model, spec=None) -> int:
+    """--skinny-matmul: products of 2..16 rows (a batch's decode step, a speculative verify) through one custom
+    CUDA kernel that reads each weight once (``mlxb.kernels.skinny``). Refused off CUDA and where nothing takes it;
+    checked against mlx's matmul on this device first. The draft model, if any, takes it too."""
+    from mlxb.errors import ValidationError
+    from mlxb.kernels import skinny
+
+    if not skinny.available():
+        raise ValidationError("--skinny-matmul is a CUDA kernel and this device is not a CUDA GPU; leave it off "
+                              "(MLX's own matmul runs here)", param="skinny_matmul")
+    try:
+        skinny.self_check()
+    except ValueError as e:
+        raise ValidationError(str(e), param="skinny_matmul") from None
+    n = skinny.install(model)
+    if n == 0:
+        raise ValidationError("--skinny-matmul found no plain Linear layer in this model (quantized or sharded "
+                              "weights keep MLX's own kernels); leave it off", param="skinny_matmul")
+    if spec is not None and getattr(spec, "draft_model", None) is not None:
+        n += skinny.install(spec.draft_model)
+    return n
 
 
 def check_compile_decode(model, *, batch: int, lora=None, tp: bool = False) -> None:

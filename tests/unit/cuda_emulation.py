@@ -43,6 +43,8 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 #define __shared__ static
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __grid_constant__
 """
 
