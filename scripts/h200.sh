@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|specloop|skinny|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|specloop|skinny|verify|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -129,6 +129,19 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       timeout ${LIMIT3:-560} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup --regimes ${REGIMES:-looping,random} \
         --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen 128 --repeats ${REPEATS:-2} --skinny-matmul \
         --out "$OUT/bench-spec-skinny.json" 2>&1 | grep -v Warning | tail -14
+    fi ;;
+  verify)  # a lone row's verify forward: MLX's attention, split causal (mlxb.kernels.causal_split), + skinny; then
+           # PART=2: bench spec lookup (looping, random; B=1 and 8; the split installs itself on CUDA)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    export MLX_CUDA_USE_CUDNN_SDPA=0
+    if [ "${PART:-1}" = 1 ]; then
+      timeout ${LIMIT1:-200} python3 scripts/verify_cost.py /var/tmp/$m --out "$OUT/verify-cost.json" --context ${CONTEXT:-512} 2>&1 | grep -v Warning
+    fi
+    if [ "${PART:-1}" = 2 ] || [ "${BOTH:-0}" = 1 ]; then
+      timeout ${LIMIT3:-400} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup --regimes ${REGIMES:-looping,random} \
+        --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen 128 --repeats ${REPEATS:-2} $EXTRA \
+        --out "$OUT/bench-spec-split.json" 2>&1 | grep -v Warning | tail -14
     fi ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do

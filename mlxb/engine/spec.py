@@ -165,6 +165,9 @@ def setup(spec: Optional[SpecConfig], kinds: list) -> tuple:
     off = off_reason(kinds) if spec is not None else None
     if spec is None or off is not None:
         return spec, off, None
+    from mlxb.kernels import causal_split
+
+    causal_split.install()  # CUDA only: a lone row's verify attention on MLX's vector kernel
     if spec.method == "draft":
         from mlxb.engine.draft import DraftProposer
 

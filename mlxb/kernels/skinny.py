@@ -1,10 +1,11 @@
 """Skinny matmuls on MLX's CUDA backend (``--skinny-matmul``, asked for by name): ``x @ W.T`` for 2..MAX_ROWS rows.
 
-MLX's CUDA matmul sends one row (``M == 1``) to its gemv kernel, which reads the weight once at close to HBM
-speed, and every other row count to cuBLAS. On the H200 the cuBLAS products of a decode step at 2 to 32 rows
-take about twice the gemv's time (mlx-lm's own B=8 and B=32 steps both cost about 10 ms on the 8B shape
-against 5 ms at B=1), so a batch of 8 rows, or a speculative verify of one row and 4 drafts, pays for reading
-the weights twice. This kernel reads each weight row once for all ``M`` input rows.
+MLX's CUDA matmul sends one row (``M == 1``) to its gemv kernel and every other row count to cuBLAS. Measured on
+the H200 (``scripts/skinny_cost.py``, reports/h200/session37): cuBLAS reads the 8B shape's MLP weights (117 MB)
+at about 3.2 TB/s for 2 to 40 rows, as fast as the gemv reads them for one, so the idea that started this
+kernel (a B=8 step pays for reading its weights twice) was wrong there; but on the small attention weights
+(8 and 32 MB) cuBLAS costs 23-60 us against the gemv's 12-20, and this kernel, which reads each weight row
+once for all ``M`` input rows, costs 13-28 us at 2..8 rows. So it takes only those (``applies``).
 
 Each lane of a warp sums its columns in the order MLX's gemv uses (4 consecutive columns per step, a step of
 128 columns, float32 accumulation), and the warp then reduces its lanes (``REDUCE``: cooperative groups' own
@@ -23,7 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 NT = 256  # threads per block: 8 warps
-MAX_ROWS = int(os.environ.get("MLXB_SKINNY_MAX_ROWS", "16"))  # above this cuBLAS pays (scripts/skinny_cost.py)
+MAX_ROWS = int(os.environ.get("MLXB_SKINNY_MAX_ROWS", "8"))  # above this cuBLAS pays (scripts/skinny_cost.py)
+MAX_WEIGHT = int(os.environ.get("MLXB_SKINNY_MAX_WEIGHT", str(4096 * 4096)))  # elements (see ``applies``)
 NPT = 4  # columns per lane per step, as MLX's gemv takes them when K % 128 == 0
 
 HEADER_XOR = r"""
@@ -89,9 +91,13 @@ def available() -> bool:
     return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
 
 
-def applies(rows: int, k: int, x_dtype, w_dtype) -> bool:
-    """Whether ``skinny_matmul`` takes this product (else the caller's own matmul runs)."""
-    return 2 <= rows <= MAX_ROWS and k % (32 * NPT) == 0 and x_dtype == w_dtype and w_dtype in (mx.bfloat16, mx.float16)
+def applies(rows: int, k: int, x_dtype, w_dtype, n: int = 0) -> bool:
+    """Whether ``skinny_matmul`` takes this product (else the caller's own matmul runs): 2..MAX_ROWS rows, whole
+    steps of 128 columns, one 16-bit dtype, and a weight of at most MAX_WEIGHT elements (on the H200 cuBLAS
+    read the 8B shape's 117 MB MLP weights at about 3.2 TB/s for 2 to 40 rows, which this kernel did not beat,
+    while the 8 and 32 MB attention weights cost it a fixed 25-40 us: scripts/skinny_cost.py)."""
+    return (2 <= rows <= MAX_ROWS and k % (32 * NPT) == 0 and x_dtype == w_dtype
+            and w_dtype in (mx.bfloat16, mx.float16) and n * k <= MAX_WEIGHT)
 
 
 def launch_plan(rows: int, n: int, dtype, rw: Optional[int] = None) -> dict:
@@ -129,7 +135,7 @@ class SkinnyLinear(nn.Linear):
 
     def __call__(self, x):
         w = self["weight"]
-        if "bias" not in self and applies(x.size // x.shape[-1], x.shape[-1], x.dtype, w.dtype):
+        if "bias" not in self and applies(x.size // x.shape[-1], x.shape[-1], x.dtype, w.dtype, w.shape[0]):
             return skinny_matmul(x, w)
         return super().__call__(x)
 

@@ -80,6 +80,7 @@ def test_applies_only_where_the_kernel_is_exact_and_pays():
     assert not skinny.applies(8, 4000, bf, bf)  # columns not in whole steps of 128
     assert not skinny.applies(8, 4096, mx.float32, bf)  # mixed dtypes promote
     assert not skinny.applies(8, 4096, mx.float32, mx.float32)
+    assert skinny.applies(4, 4096, bf, bf, n=4096) and not skinny.applies(4, 4096, bf, bf, n=14336)  # MLP: cuBLAS
 
 
 def test_skinny_linear_sends_only_skinny_products_to_the_kernel(monkeypatch):
