@@ -110,3 +110,15 @@ def test_skinny_linear_sends_only_skinny_products_to_the_kernel(monkeypatch):
     assert calls == [4]
     skinny.uninstall(model)
     assert type(lin) is nn.Linear and type(biased) is nn.Linear
+
+
+def test_the_flag_is_refused_off_cuda_with_a_message_naming_the_fix():
+    import mlx.nn as nn
+
+    from mlxb.engine.build import use_skinny_matmul
+    from mlxb.errors import ValidationError
+
+    if skinny.available():
+        pytest.skip("a CUDA device: the flag is allowed here")
+    with pytest.raises(ValidationError, match="leave it off"):
+        use_skinny_matmul(nn.Linear(128, 128))
