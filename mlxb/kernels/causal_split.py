@@ -10,7 +10,8 @@ pipeline, made a verify cost about three plain steps on the H200 (reports/h200/s
 those queries see, so the result is the same attention (the chunks' sums run in the vector kernel's order).
 ``install`` wraps ``mx.fast.scaled_dot_product_attention`` (mlx-lm's attention calls it by attribute) on
 CUDA only, after ``self_check`` compares the split with the unsplit call on this device; elsewhere (CPU, Metal,
-whose vector kernel already takes these) nothing changes.
+whose vector kernel already takes these) nothing changes. The wrap is process-wide: mlx-lm code running in the
+same process (an in-process parity oracle on CUDA, say) takes the split too.
 """
 
 from __future__ import annotations
