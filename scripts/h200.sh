@@ -140,7 +140,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     fi
     if [ "${PART:-1}" = 2 ] || [ "${BOTH:-0}" = 1 ]; then
       timeout ${LIMIT3:-400} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup --regimes ${REGIMES:-looping,random} \
-        --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen 128 --repeats ${REPEATS:-2} $EXTRA \
+        --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen 128 --repeats ${REPEATS:-2} ${EXTRA:-} \
         --out "$OUT/bench-spec-split.json" 2>&1 | grep -v Warning | tail -14
     fi ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step

@@ -23,7 +23,6 @@ on the last of three joiners for the same reason (each joiner's stall is kept in
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import statistics
 import time

@@ -206,8 +206,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
 
 
 def use_skinny_matmul(model, spec=None) -> int:
-    """--skinny-matmul: products of 2..16 rows (a batch's decode step, a speculative verify) through one custom
-    CUDA kernel that reads each weight once (``mlxb.kernels.skinny``). Refused off CUDA and where nothing takes it;
+    """--skinny-matmul: products of 2..8 rows over weights up to 4096x4096 (a batch's decode step, a speculative
+    verify; ``mlxb.kernels.skinny.applies``) through one custom CUDA kernel that reads each weight once. Refused off CUDA and where nothing takes it;
     checked against mlx's matmul on this device first. The draft model, if any, takes it too."""
     from mlxb.errors import ValidationError
     from mlxb.kernels import skinny

@@ -20,6 +20,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlxb.kernels import cuda_gpu
+
 CHUNK = 3  # MLX's CUDA vector kernel takes qL < 4
 MAX_QUERIES = 33  # a verify of up to 32 drafts; longer causal calls are prefill chunks (MLX's own path)
 HEAD_DIMS = (64, 96, 128)  # the vector kernel's head sizes (others take the fallback either way)
@@ -72,7 +74,7 @@ def self_check(dtype=mx.bfloat16) -> float:
 
 
 def available() -> bool:
-    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
+    return cuda_gpu()
 
 
 def install(force: bool = False) -> Optional[float]:

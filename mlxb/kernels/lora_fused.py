@@ -28,6 +28,8 @@ from typing import Optional
 
 import mlx.core as mx
 
+from mlxb.kernels import cuda_gpu
+
 NT = 256  # threads per block
 TARGET_BLOCKS = 132  # blocks per launch the tiles aim at (scripts/lora_kernel_cost.py sweeps it)
 MAX_ROWS = 128  # above this (prefill chunks) every row re-reading its A costs more than the exact path
@@ -133,7 +135,7 @@ _PLANS: dict = {}  # (shape, dtypes, mode, geometry) -> (launch plan, split plan
 
 
 def available() -> bool:
-    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
+    return cuda_gpu()
 
 
 def supports(rank: int, rows: int) -> bool:

@@ -23,6 +23,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxb.kernels import cuda_gpu
+
 NT = 256  # threads per block: 8 warps
 MAX_ROWS = int(os.environ.get("MLXB_SKINNY_MAX_ROWS", "8"))  # above this cuBLAS pays (scripts/skinny_cost.py)
 MAX_WEIGHT = int(os.environ.get("MLXB_SKINNY_MAX_WEIGHT", str(4096 * 4096)))  # elements (see ``applies``)
@@ -88,7 +90,7 @@ _PLANS: dict = {}
 
 
 def available() -> bool:
-    return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
+    return cuda_gpu()
 
 
 def applies(rows: int, k: int, x_dtype, w_dtype, n: int = 0) -> bool:
