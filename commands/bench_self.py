@@ -45,6 +45,7 @@ def spec_bench(
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32),
     lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16),
     spec_max_batch: int = typer.Option(64, "--spec-max-batch", min=1, help="Speculate up to this many rows (the bench default measures every B)."),
+    spec_pipeline: str = typer.Option("auto", "--spec-pipeline", help="As serve --spec-pipeline (auto, on, off)."),
     spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Draft --num-draft-tokens every step (no adaptation or pauses), as serve --spec-fixed."),
     batches: str = typer.Option("1,8", "--batches"),
     regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random, looping (the prompt ends in the model's own greedy output, where random-weight models loop)."),
@@ -65,7 +66,7 @@ def spec_bench(
         raise typer.BadParameter(f"{bad[0]!r}: choose from {', '.join(ALL_REGIMES)}", param_hint="--regimes")
     m, tok, mspec, path = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
-                     draft_model, dtype, spec_max_batch, adaptive=not spec_fixed)
+                     draft_model, dtype, spec_max_batch, adaptive=not spec_fixed, pipeline=spec_pipeline)
     if skinny_matmul:
         use_skinny_matmul(m, cfg)
     with status("benchmarking ...") as st:
@@ -73,14 +74,16 @@ def spec_bench(
                   repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"))
     res["config"]["skinny_matmul"] = skinny_matmul
     what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")
+    what += f" --spec-pipeline {spec_pipeline}" if spec_pipeline != "auto" else ""
     what += " --skinny-matmul" if skinny_matmul else ""
     t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
-    for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance"):
+    for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance",
+              "guesses kept/dropped"):
         t.add_column(c)
     for r in res["summary"]:
         acc = "no drafts" if r["acceptance"] is None else f"{r['acceptance']:.0%} of {r['drafted']}"
         t.add_row(r["regime"], str(r["B"]), f"{r['plain_tps']:.1f}", f"{r['spec_tps']:.1f}", f"{r['ratio_min']:.3f}",
-                  f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}", acc)
+                  f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}", acc, f"{r['pipelined_kept']}/{r['pipelined_dropped']}")
     console.print(t)
     _write(res, "spec", mspec, out)
 

@@ -40,6 +40,7 @@ def serve(
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A smaller model with the target's tokenizer (preset, folder or HF id) that drafts tokens; implies --spec draft."),
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32, help="Most draft tokens per row and step (adapted per row from its acceptance); a request's num_draft_tokens overrides it, 0 turns it off."),
     spec_max_batch: int = typer.Option(1, "--spec-max-batch", min=1, help="Speculate only while the batch holds at most this many rows (measured: a win alone, a loss at B=8; see the README)."),
+    spec_pipeline: str = typer.Option("auto", "--spec-pipeline", help="A lone greedy row's next verify step is launched before the current one is read, guessing that all its drafts hold (prompt lookup): auto on a GPU backend once most verify steps keep every draft, on always, off never."),
     spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Every speculating row drafts --num-draft-tokens each step (mlx-lm's fixed K; what the spec parity case runs) instead of adapting K and pausing on low acceptance."),
     lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16, help="Longest n-gram --spec lookup matches (it tries shorter ones down to 1)."),
     adapters: Optional[list[str]] = typer.Option(None, "--adapters", help="LoRA adapters (mlx-lm adapter folders) over the base, chosen per request: NAME=PATH[,NAME=PATH...] (repeatable). Requests pick one with model 'BASE:NAME' or mlx-lm's 'adapters' field; rows of different adapters decode in one batch."),
@@ -77,7 +78,7 @@ def serve(
                            prompt_cache_disk_bytes=pc_disk, cudnn_attention=cudnn_attention, kv_bits=kv_bits,
                            kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config,
                            spec=spec, num_draft_tokens=num_draft_tokens, lookup_ngram=lookup_ngram,
-                           draft_model=draft_model, spec_max_batch=spec_max_batch, spec_fixed=spec_fixed, tp=tp, tp_timeout=tp_timeout,
+                           draft_model=draft_model, spec_max_batch=spec_max_batch, spec_fixed=spec_fixed, spec_pipeline=spec_pipeline, tp=tp, tp_timeout=tp_timeout,
                            compile_decode=compile_decode, compile_batch=compile_batch, skinny_matmul=skinny_matmul)
     import mlx.core as mx
 

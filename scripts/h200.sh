@@ -143,6 +143,18 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
         --batches ${BATCHES:-1,8} --spec-max-batch 8 --context ${CONTEXT:-512} --gen 128 --repeats ${REPEATS:-2} ${EXTRA:-} \
         --out "$OUT/bench-spec-split.json" 2>&1 | grep -v Warning | tail -14
     fi ;;
+  pipeline)  # issue 15: bench spec with a lone row's verify steps pipelined (--spec-pipeline) against not, same machine
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    export MLX_CUDA_USE_CUDNN_SDPA=0
+    for ctx in ${CONTEXTS:-512}; do
+      for mode in ${MODES:-auto off}; do
+        echo "== context $ctx --spec-pipeline $mode"
+        timeout ${LIMIT:-280} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup --regimes ${REGIMES:-looping,random} \
+          --batches ${BATCHES:-1} --spec-max-batch 8 --context $ctx --gen ${GEN:-128} --repeats ${REPEATS:-3} --spec-pipeline $mode \
+          --out "$OUT/bench-spec-pipeline-$mode-$ctx.json" 2>&1 | grep -v Warning | tail -9
+      done
+    done ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -135,8 +135,9 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                         c = e.runner.spec_counts
                         drafted = c["drafted"] - before.get("drafted", 0)
                         accepted = c["accepted"] - before.get("accepted", 0)
+                        ahead = {k: c[k] - before.get(k, 0) for k in ("pipelined_kept", "pipelined_dropped")}
                         rows.append({"regime": regime, "B": b, "repeat": rep, "arm": arm, "tok_s": tps,
-                                     "drafted": drafted, "accepted": accepted,
+                                     "drafted": drafted, "accepted": accepted, **ahead,
                                      "prompt_periods": [loop_period(p[-64:]) for p in prompts],
                                      "host_s": host,  # summed host seconds of the arm's steps (runner.timing)
                                      **(steps_by_decision(e.runner.step_cost.trace, b) if arm == "spec" else {})})
@@ -155,8 +156,9 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                             "spec_tps": statistics.median(r["tok_s"] for r in sp),
                             "ratio_min": min(ratios), "ratio_median": statistics.median(ratios), "ratio_max": max(ratios),
                             "drafted": drafted, "accepted": sum(r["accepted"] for r in sp),
+                            **{k: sum(r[k] for r in sp) for k in ("pipelined_kept", "pipelined_dropped")},
                             "acceptance": sum(r["accepted"] for r in sp) / drafted if drafted else None})
     return {"config": {"method": spec.method, "draft_model": spec.draft_name, "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive,
-                       "lookup_ngram": spec.lookup_ngram, "context": context, "gen": gen, "repeats": repeats,
+                       "pipeline": spec.pipeline, "lookup_ngram": spec.lookup_ngram, "context": context, "gen": gen, "repeats": repeats,
                        "batches": list(batches), "regimes": list(regimes), "warm_up": "serve's, then one untimed arm per engine, regime and B"},
             "rows": rows, "summary": summary}

@@ -83,7 +83,7 @@ def choose_attention_kernels(cudnn: Optional[bool] = None) -> str:
 
 
 def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int, draft_model: Optional[str],
-               dtype: Optional[str], max_batch: int = 1, adaptive: bool = True):
+               dtype: Optional[str], max_batch: int = 1, adaptive: bool = True, pipeline: str = "auto"):
     """--spec / --draft-model as a SpecConfig; a draft model is loaded and checked against the target."""
     from mlxb.engine.spec import SpecConfig
     from mlxb.errors import ValidationError
@@ -97,7 +97,7 @@ def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int
             check_draft(model, tok, draft, dtok)
             name = dspec.name
         return SpecConfig(method, num_draft_tokens, lookup_ngram, draft_model=draft, draft_name=name, max_batch=max_batch,
-                          adaptive=adaptive)
+                          adaptive=adaptive, pipeline=pipeline)
     except ValueError as e:
         raise ValidationError(str(e), param="draft_model" if draft_model else "spec") from None
 
@@ -110,7 +110,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
-                  spec_max_batch: int = 1, spec_fixed: bool = False, adapters: Optional[dict] = None, max_loras: Optional[int] = None,
+                  spec_max_batch: int = 1, spec_fixed: bool = False, spec_pipeline: str = "auto", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
                   **engine_kw) -> Gateway:
@@ -141,7 +141,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank, lora_path=lora_path)
     if (spec is not None or draft_model is not None) and (link is None or link.rank == 0):  # proposers: rank 0
         engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
-                                       spec_max_batch, adaptive=not spec_fixed)
+                                       spec_max_batch, adaptive=not spec_fixed, pipeline=spec_pipeline)
     if skinny_matmul:  # after the adapters (their base products take it too) and the draft model
         use_skinny_matmul(m, engine_kw.get("spec"))
     if kv_config is not None:

@@ -42,6 +42,7 @@ def spec_stats(eng) -> Optional[dict]:
                          "the batch lane" if eng.max_batch == 1 else None)
     acc = round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None
     return {"method": sp.method, "draft_model": sp.draft_name, "max_batch": sp.max_batch, "adaptive": sp.adaptive,
+            "pipeline": sp.pipeline, **{k: c[k] for k in ("pipelined_kept", "pipelined_dropped", "pipelined_cancelled")},
             "num_draft_tokens": sp.num_draft_tokens, "active": off is None, "off_reason": off, "acceptance": acc,
             **{k: c[k] for k in ("verify_steps", "drafted", "accepted")}, "verify_cost_plain_steps": round(r.step_cost.ratio, 3)}
 

@@ -38,6 +38,7 @@ from mlxb.engine.compiled import CompiledDecode
 from mlxb.engine.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
 from mlxb.engine.spec import RowSpec, StepCost, row_spec, setup, decode as spec_decode
+from mlxb.engine.spec_ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
@@ -87,6 +88,8 @@ class Runner:
         self.spec, self.spec_off, self.proposer = setup(spec, kinds)  # --spec: config, why off, proposer
         self.spec_counts: dict[str, int] = defaultdict(int)
         self.step_cost = StepCost()  # --spec: what a verify step costs in plain steps here (measured)
+        self.ahead = None  # --spec: a lone row's verify step launched before the last one was read (spec_ahead)
+        self.pipeline_verify = True  # whether that may happen on this runner (not --tp)
         self.join_mode = dict(DEFAULT_JOIN, full=join_full, latent=join_full)
         self.capture = capture
         self.faults = faults
@@ -239,6 +242,7 @@ class Runner:
 
     def _attach(self, rows: list[Row], tokens: list[int], caches: list, merged: bool) -> None:
         """Append ``rows`` whose caches are ``caches`` (batch caches when ``merged``) at the end."""
+        cancel_ahead(self)
         tok = mx.array(tokens, dtype=mx.uint32)
         if not self.rows:
             self.caches, self.merged, self.register = caches, merged, tok
@@ -338,6 +342,7 @@ class Runner:
     def extract_rows(self, indices: list[int]) -> list[tuple[Row, list, int]]:
         """Per batch row ``i`` in ``indices``: (row, single-row caches, tokens those caches hold),
         taken before a filter drops the rows. A lone adopted row hands its own caches back."""
+        cancel_ahead(self)
         out = []
         for i in indices:
             row = self.rows[i]
@@ -352,6 +357,7 @@ class Runner:
         """Keep rows ``keep`` (batch indices, in order)."""
         if len(keep) == len(self.rows):
             return
+        cancel_ahead(self)
         if not keep:
             self.drop_all()
             return
@@ -384,6 +390,7 @@ class Runner:
                 c.aligned = aligned
 
     def drop_all(self) -> None:
+        self.ahead = None
         self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False
         self.pending_geo = None
 

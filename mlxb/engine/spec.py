@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxb.cache.holes import compact, compaction, mark_holes, new_holes
+from mlxb.engine import spec_ahead
 from mlxb.engine.spec_control import (MAX_COOLDOWN, MIN_GAIN, MISS_LIMIT, RowSpec, StepCost,  # noqa: F401 (re-exported)
                                       aligned, pays, shadow, wants_verify)
 
@@ -53,6 +54,7 @@ class SpecConfig:
     draft_name: Optional[str] = None
     max_batch: int = 1  # speculate only while the batch has at most this many rows (--spec-max-batch)
     adaptive: bool = True  # False (--spec-fixed): every row drafts num_draft_tokens each step, as mlx-lm does
+    pipeline: str = "auto"  # --spec-pipeline: a lone row's next verify step launched before this one is read
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -63,6 +65,8 @@ class SpecConfig:
             raise ValueError("--spec-max-batch must be at least 1")
         if not 1 <= self.num_draft_tokens <= 32:
             raise ValueError("--num-draft-tokens must be between 1 and 32")
+        if self.pipeline not in spec_ahead.MODES:
+            raise ValueError(f"--spec-pipeline {self.pipeline}: choose one of {', '.join(spec_ahead.MODES)}")
         if not 1 <= self.lookup_ngram <= 16:
             raise ValueError("--lookup-ngram must be between 1 and 16")
 
@@ -104,9 +108,14 @@ def decode(r, plain=None, verify=None) -> list:
     its wall time feeds ``r.step_cost``. ``plain()`` / ``verify(props)`` run the forward (default: this
     process's; ``--tp`` passes calls that tell the other ranks first)."""
     t, n = time.perf_counter(), len(r.rows)
-    flushed, props = prepare(r)
+    if r.ahead is not None:  # a verify step launched before the last one was read (spec_ahead)
+        r.spec_why, flushed, props = "ahead", [], [r.ahead.props]
+    else:
+        flushed, props = prepare(r)
     flat = aligned(r)
-    if props is None:
+    if r.spec_why == "ahead":
+        out = spec_ahead.resolve(r, r.ahead)
+    elif props is None:
         out = flushed + (plain or r._plain_step)()
         if r.spec.adaptive and r.spec_why == "bar" and isinstance(r.proposer, LookupProposer):
             shadow(r, r.proposer)
@@ -297,7 +306,9 @@ def propose_all(r) -> list[list[int]]:
 
 def verify_step(r, props: list[list[int]]) -> list:
     """One target forward over every row's pending input and drafts; returns the emitted tokens (all
-    of them read: nothing stays pending)."""
+    of them read: nothing stays pending, except a lone row's next verify step, ``spec_ahead``)."""
+    if spec_ahead.eligible(r):
+        return spec_ahead.run(r, props[0])
     t0 = time.perf_counter()
     rows = r.rows
     width = max(len(p) for p in props)

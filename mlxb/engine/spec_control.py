@@ -36,6 +36,7 @@ class RowSpec:
     backoff: int = COOLDOWN
     adaptive: bool = True
     evidence: int = 0  # verify steps and shadow drafts that measured ``alpha``
+    full: float = 0.5  # running rate of verify steps whose drafts all held (``mlxb.engine.spec_ahead``)
     shadow: list = field(default_factory=list)  # lookup drafts made while plain, checked against what follows
     shadow_at: int = 0  # the row's token count when they were made
     _buf: np.ndarray = field(default=None, repr=False)  # prompt + emitted tokens, grown in place (``history``)
@@ -68,6 +69,7 @@ class RowSpec:
         if n == 0 or not self.adaptive:
             return
         self.k = min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
+        self.full = 0.7 * self.full + 0.3 * (a == n)
         self.learn(n, a)
         if gain(self) < cost:
             self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
