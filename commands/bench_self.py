@@ -45,7 +45,7 @@ def spec_bench(
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32),
     lookup_ngram: int = typer.Option(3, "--lookup-ngram", min=1, max=16),
     spec_max_batch: int = typer.Option(64, "--spec-max-batch", min=1, help="Speculate up to this many rows (the bench default measures every B)."),
-    spec_pipeline: str = typer.Option("auto", "--spec-pipeline", help="As serve --spec-pipeline (auto, on, off)."),
+    spec_pipeline: str = typer.Option("off", "--spec-pipeline", help="As serve --spec-pipeline (off, auto, on)."),
     spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Draft --num-draft-tokens every step (no adaptation or pauses), as serve --spec-fixed."),
     batches: str = typer.Option("1,8", "--batches"),
     regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random, looping (the prompt ends in the model's own greedy output, where random-weight models loop)."),
@@ -74,7 +74,7 @@ def spec_bench(
                   repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"))
     res["config"]["skinny_matmul"] = skinny_matmul
     what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")
-    what += f" --spec-pipeline {spec_pipeline}" if spec_pipeline != "auto" else ""
+    what += f" --spec-pipeline {spec_pipeline}" if spec_pipeline != "off" else ""
     what += " --skinny-matmul" if skinny_matmul else ""
     t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
     for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance",

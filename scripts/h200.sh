@@ -151,10 +151,16 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
       for mode in ${MODES:-auto off}; do
         echo "== context $ctx --spec-pipeline $mode"
         timeout ${LIMIT:-280} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup --regimes ${REGIMES:-looping,random} \
-          --batches ${BATCHES:-1} --spec-max-batch 8 --context $ctx --gen ${GEN:-128} --repeats ${REPEATS:-3} --spec-pipeline $mode \
-          --out "$OUT/bench-spec-pipeline-$mode-$ctx.json" 2>&1 | grep -v Warning | tail -9
+          --batches ${BATCHES:-1} --spec-max-batch 8 --context $ctx --gen ${GEN:-128} --repeats ${REPEATS:-3} --spec-pipeline $mode ${EXTRA:-} \
+          --out "$OUT/bench-spec-pipeline-$mode-$ctx${TAG:-}.json" 2>&1 | grep -v Warning | tail -9
       done
     done ;;
+  vprobe)  # issue 15: chained unread steps, one-token and verify width: build / async_eval / read per step
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    export MLX_CUDA_USE_CUDNN_SDPA=0
+    timeout ${LIMIT:-240} python3 scripts/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe.json" \
+      --context ${CONTEXT:-512} ${PROBE_ARGS:-} 2>&1 | grep -v Warning ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -83,7 +83,7 @@ def choose_attention_kernels(cudnn: Optional[bool] = None) -> str:
 
 
 def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int, draft_model: Optional[str],
-               dtype: Optional[str], max_batch: int = 1, adaptive: bool = True, pipeline: str = "auto"):
+               dtype: Optional[str], max_batch: int = 1, adaptive: bool = True, pipeline: str = "off"):
     """--spec / --draft-model as a SpecConfig; a draft model is loaded and checked against the target."""
     from mlxb.engine.spec import SpecConfig
     from mlxb.errors import ValidationError
@@ -110,7 +110,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
-                  spec_max_batch: int = 1, spec_fixed: bool = False, spec_pipeline: str = "auto", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
+                  spec_max_batch: int = 1, spec_fixed: bool = False, spec_pipeline: str = "off", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
                   **engine_kw) -> Gateway:

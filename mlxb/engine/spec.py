@@ -54,7 +54,7 @@ class SpecConfig:
     draft_name: Optional[str] = None
     max_batch: int = 1  # speculate only while the batch has at most this many rows (--spec-max-batch)
     adaptive: bool = True  # False (--spec-fixed): every row drafts num_draft_tokens each step, as mlx-lm does
-    pipeline: str = "auto"  # --spec-pipeline: a lone row's next verify step launched before this one is read
+    pipeline: str = "off"  # --spec-pipeline: a lone row's next verify step launched before this one is read
 
     def __post_init__(self):
         if self.method not in METHODS:

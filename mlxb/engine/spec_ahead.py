@@ -22,10 +22,15 @@ would see, so the output is what unpipelined speculation gives. Any change to th
 retirement, an extraction into the prompt cache) cancels the step in flight first (``cancel``).
 
 Only where it can pay: one row (not merged), greedy without processors or grammar, prompt lookup,
-full-width KV, not ``--tp`` and not a parity capture. ``auto`` (the default) pipelines on a GPU backend
-once the row's rate of verify steps whose drafts all held (``RowSpec.full``) is at least ``FULL_MIN``: a
-wrong guess costs a whole verify forward, which on a compute-bound CPU is several plain steps while the
-host time it would hide is small there, so ``auto`` leaves CPUs alone; ``on`` pipelines every eligible step.
+full-width KV, not ``--tp`` and not a parity capture. ``auto`` pipelines on a GPU backend once the row's
+rate of verify steps whose drafts all held (``RowSpec.full``) is at least ``FULL_MIN``: a wrong guess
+costs a whole verify forward, which on a compute-bound CPU is several plain steps while the host time it
+would hide is small there, so ``auto`` leaves CPUs alone; ``on`` pipelines every eligible step.
+
+It is off by default, because it measured no gain (README, "Pipelined verify steps"): on MLX's CUDA
+backend the host's ``mx.async_eval`` of a [1, 5] verify graph takes 7-13 ms (its 2-8 row matmuls go to
+cuBLAS, whose launches cost the host far more than the one-row gemv's), and that launch is not hidden by
+launching earlier; a guessed step saved about 1.5 ms and a dropped one cost a whole forward.
 """
 
 from __future__ import annotations
