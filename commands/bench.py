@@ -268,6 +268,7 @@ def engine(
     adapters: int = typer.Option(0, "--adapters", min=0, max=64, help="LoRA: run `mlxb bench lora` with this many random-weight adapters mixed (vs no adapter, one adapter, and mlx-lm's fused model)."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run a second engine with --compile-batch (compiled lone-row and batch steps), interleaved with our plain engine and mlx-lm."),
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: each aggregate arm at B>1 also runs our engine with serve's --skinny-matmul on the same prompts."),
+    fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Each aggregate arm (B=1 too) also runs our engine with serve's --fuse-projections on the same prompts."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
     if adapters and tp > 1:
@@ -305,10 +306,16 @@ def engine(
 
         use_skinny_matmul(m)  # refuses off CUDA, checks the kernel; the arms switch it on and off
         skinny.uninstall(m)
+    if fuse_projections:
+        from mlxb.engine.build import use_fused_projections
+        from mlxb.models.fuse import unfuse
+
+        use_fused_projections(m)  # refuses a model with nothing to fuse; the arms switch it on and off
+        unfuse(m)
     with status("benchmarking ...") as st:
         res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
                   progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode,
-                  skinny=skinny_matmul)
+                  skinny=skinny_matmul, fused=fuse_projections)
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")

@@ -53,11 +53,12 @@ def spec_bench(
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="Both engines with serve's --skinny-matmul (CUDA only)."),
+    fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Both engines with serve's --fuse-projections."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Speculative decoding vs plain decoding on our engine: decode tok/s ratios with the acceptance."""
     from mlxb.bench.spec import ALL_REGIMES, run
-    from mlxb.engine.build import build_spec, use_skinny_matmul
+    from mlxb.engine.build import build_spec, use_fused_projections, use_skinny_matmul
     from mlxb.models import load_model
 
     bs = _ints(batches, "--batches", "1,8")
@@ -67,15 +68,19 @@ def spec_bench(
     m, tok, mspec, path = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, num_draft_tokens, lookup_ngram,
                      draft_model, dtype, spec_max_batch, adaptive=not spec_fixed, pipeline=spec_pipeline)
+    if fuse_projections:
+        use_fused_projections(m)
     if skinny_matmul:
         use_skinny_matmul(m, cfg)
     with status("benchmarking ...") as st:
         res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
                   repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"))
     res["config"]["skinny_matmul"] = skinny_matmul
+    res["config"]["fuse_projections"] = fuse_projections
     what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")
     what += f" --spec-pipeline {spec_pipeline}" if spec_pipeline != "off" else ""
     what += " --skinny-matmul" if skinny_matmul else ""
+    what += " --fuse-projections" if fuse_projections else ""
     t = Table(title=f"decode tok/s, --spec {what} vs plain ({context}-token prompts, same run) — {mspec.name}")
     for c in ("regime", "B", "plain tok/s", "spec tok/s", "ratio min", "ratio median", "ratio max", "acceptance",
               "guesses kept/dropped"):

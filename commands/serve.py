@@ -51,6 +51,7 @@ def serve(
     tp_timeout: float = typer.Option(60.0, "--tp-timeout", min=1.0, help="--tp: a mirrored step (a prefill chunk or a decode step) that takes longer than this marks the server failed (/health 503) and exits it (code 70): a rank died or hung. Above your slowest prefill chunk. An idle server notices within 3 s."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help="Run a lone row's decode steps as one compiled graph (mx.compile, KV write inside): less host time per token on small models. Full-attention models only; refused on CUDA and with --adapters or --tp; checked bit for bit against the plain step at start-up."),
     compile_batch: bool = typer.Option(False, "--compile-batch", help="--compile-decode for the batch lane's steps too (one trace per row count and buffer size). Measured slower on a 2-core CPU at B=8 and 32 (the masked read over the whole buffer); see the README."),
+    fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Compute q/k/v and gate/up as one product each over concatenated weights (fewer launches: on CUDA a batch or verify step is bound by the host's cuBLAS launches). Not promised bit-exact with mlx-lm; see the README."),
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: run the products of 2 to 8 rows over weights of at most 4096x4096 (a batch's decode step, a speculative verify) through one kernel that reads each bf16/fp16 weight once, summing each row as MLX's one-row gemv does, instead of cuBLAS. Not bit-exact with mlx-lm's batch mode (cuBLAS); see the README."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
@@ -79,7 +80,8 @@ def serve(
                            kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start, kv_config=kv_config,
                            spec=spec, num_draft_tokens=num_draft_tokens, lookup_ngram=lookup_ngram,
                            draft_model=draft_model, spec_max_batch=spec_max_batch, spec_fixed=spec_fixed, spec_pipeline=spec_pipeline, tp=tp, tp_timeout=tp_timeout,
-                           compile_decode=compile_decode, compile_batch=compile_batch, skinny_matmul=skinny_matmul)
+                           compile_decode=compile_decode, compile_batch=compile_batch, skinny_matmul=skinny_matmul,
+                           fuse_projections=fuse_projections)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})

@@ -161,6 +161,15 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     export MLX_CUDA_USE_CUDNN_SDPA=0
     timeout ${LIMIT:-240} python3 scripts/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe.json" \
       --context ${CONTEXT:-512} ${PROBE_ARGS:-} 2>&1 | grep -v Warning ;;
+  fuse)  # q/k/v and gate/up fused (--fuse-projections): the chained-step probe, then bench engine with fused arms
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    export MLX_CUDA_USE_CUDNN_SDPA=0
+    [ "${PROBE:-1}" = 1 ] && timeout ${LIMIT1:-150} python3 scripts/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe-fused.json" \
+      --context 512 --steps ${STEPS:-30} 2>&1 | grep -v Warning
+    timeout ${LIMIT2:-330} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8,32} --prompt-len 128 \
+      --gen ${GEN:-64} --repeats ${REPEATS:-3} --prefill-len 512 --fuse-projections --out "$OUT/engine-fused.json" 2>&1 \
+      | grep -v Warning | grep -E "fused|aggregate|decode" | head -12 ;;
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

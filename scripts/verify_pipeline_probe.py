@@ -4,7 +4,8 @@ to read the step before it, for one-token steps and [1, 1+K] verify forwards (th
 the unread argmax of the one before, as ``mlxb.engine.spec_ahead`` chains them), each pipelined (launch
 t+1, then read t) and synchronized (launch t, read t). Answers: does launching a step wait for the one in
 flight, and what does the host spend on a verify graph against a one-token one; on CUDA also with the split
-attention and the skinny matmul (attention weights, then every weight). Prints and writes JSON.
+attention and the skinny matmul (attention weights, then every weight); with q/k/v and gate/up fused
+(``--fuse-projections``). Prints and writes JSON.
 
     python3 scripts/verify_pipeline_probe.py MODEL --out probe.json [--context 512] [--k 4] [--steps 40]
 """
@@ -21,6 +22,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxb.kernels import causal_split, skinny
+from mlxb.models.fuse import fuse, unfuse
 
 
 def main() -> None:
@@ -66,11 +68,14 @@ def main() -> None:
 
     rows = []
     cuda = causal_split.available()
-    arms = [(False, "none")] + ([(True, "none"), (True, "skinny"), (True, "skinny-all")] if cuda else [])
+    arms = [(False, "none"), (False, "fused")] + ([(True, "none"), (True, "fused"), (True, "skinny"), (True, "skinny-all")]
+                                                   if cuda else [])
     for split, sk in arms:
         if split:
             causal_split.install()
-        if sk != "none":
+        if sk == "fused":
+            fuse(model)
+        elif sk != "none":
             skinny.MAX_WEIGHT = 4096 * 4096 if sk == "skinny" else 1 << 40  # skinny-all: the MLP weights too
             if not skinny.install(model):
                 print("skinny took no weight")
@@ -80,7 +85,8 @@ def main() -> None:
                 rows.append(r)
                 print(r, flush=True)
         skinny.uninstall(model)
-    causal_split.uninstall()
+        unfuse(model)
+        causal_split.uninstall()
     json.dump({"model": a.model, "context": a.context, "k": a.k, "device": str(mx.default_device()),
                "mlx": mx.__version__, "rows": rows}, open(a.out, "w"), indent=1)
 

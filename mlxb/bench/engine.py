@@ -170,8 +170,11 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
-        progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False, skinny: bool = False) -> dict:
-    """``skinny``: each aggregate arm at B > 1 also runs our engine with ``--skinny-matmul`` on the same prompts
+        progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False, skinny: bool = False,
+        fused: bool = False) -> dict:
+    """``fused``: each aggregate arm (B=1 included) also runs our engine with ``--fuse-projections`` on the same
+    prompts, right after the plain one (rows ``aggregate_fused[_ragged]_over_plain``).
+    ``skinny``: each aggregate arm at B > 1 also runs our engine with ``--skinny-matmul`` on the same prompts
     (rows ``aggregate_skinny_tps`` against mlx-lm and ``aggregate_skinny_over_plain``; CUDA only).
     ``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
     (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)
@@ -206,6 +209,9 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             peer_batch(model, ps, gen)
             if skinny and B > 1:
                 with skinny_on(model):
+                    ours(engine, ps, gen)
+            if fused:
+                with fused_on(model):
                     ours(engine, ps, gen)
         for rep in range(repeats):
             p1 = _prompts(1, prompt_len, vocab, rep)[0]
@@ -243,6 +249,12 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                     rows.append({"metric": "aggregate_skinny_over_plain" + sfx, "B": B, "repeat": rep,
                                  "ours": c["tokens"] / c["wall"], "peer": a["tokens"] / a["wall"],
                                  "peer_name": "mlxb plain step"})
+                if fused:  # the same engine with q/k/v and gate/up fused, same prompts
+                    with fused_on(model):
+                        c = ours(engine, ps, gen)
+                    rows.append({"metric": "aggregate_fused" + ("_ragged" if ragged else "") + "_over_plain", "B": B,
+                                 "repeat": rep, "ours": c["tokens"] / c["wall"], "peer": a["tokens"] / a["wall"],
+                                 "peer_name": "mlxb plain step", "fused_step_timing": c["timing"]})
                 if comp is not None and B > 1:  # the compiled batch step against our plain one, same prompts
                     c = ours(comp, ps, gen)
                     rows.append({"metric": "aggregate_compiled_over_plain" + ("_ragged" if ragged else ""), "B": B,
@@ -277,7 +289,20 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         peak = None
     return {"rows": rows, "summary": summary, "peak_memory_bytes": peak, "late_joiner_stall": stall,
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
-                       "prefill_len": prefill_len, "compile_decode": compile_decode, "skinny_matmul": skinny}}
+                       "prefill_len": prefill_len, "compile_decode": compile_decode, "skinny_matmul": skinny,
+                       "fuse_projections": fused}}
+
+
+@contextlib.contextmanager
+def fused_on(model):
+    """The model's q/k/v and gate/up projections fused for the block (``mlxb.models.fuse``)."""
+    from mlxb.models.fuse import fuse, unfuse
+
+    fuse(model)
+    try:
+        yield
+    finally:
+        unfuse(model)
 
 
 @contextlib.contextmanager

@@ -113,7 +113,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   spec_max_batch: int = 1, spec_fixed: bool = False, spec_pipeline: str = "off", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
-                  **engine_kw) -> Gateway:
+                  fuse_projections: bool = False, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     link = tp_link(tp, batch=batch) if tp > 1 else None
     scheme = None
@@ -139,6 +139,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         if max_loras is not None and len(adapters) > max_loras:
             raise ValidationError(f"{len(adapters)} adapters given, above --max-loras {max_loras}", param="adapters")
         install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank, lora_path=lora_path)
+    if fuse_projections:
+        use_fused_projections(m, adapters=bool(adapters), tp=link is not None, compiled=compile_decode or compile_batch)
     if (spec is not None or draft_model is not None) and (link is None or link.rank == 0):  # proposers: rank 0
         engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
                                        spec_max_batch, adaptive=not spec_fixed, pipeline=spec_pipeline)
@@ -203,6 +205,25 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.attention_kernels = attention
     freeze_heap()
     return gw
+
+
+def use_fused_projections(model, adapters: bool = False, tp: bool = False, compiled: bool = False) -> int:
+    """--fuse-projections: q/k/v and gate/up as one product each (``mlxb.models.fuse``). Refused where it is
+    not combined yet (adapters, --tp, compiled steps) and where no group qualifies."""
+    from mlxb.errors import ValidationError
+    from mlxb.models.fuse import fuse
+
+    for on, what in ((adapters, "--adapters (the adapters wrap the separate projections)"),
+                     (tp, "--tp (each rank shards the separate projections)"),
+                     (compiled, "--compile-decode / --compile-batch")):
+        if on:
+            raise ValidationError(f"--fuse-projections is not combined with {what} yet; leave one of them off",
+                                  param="fuse_projections")
+    n = fuse(model)
+    if n == 0:
+        raise ValidationError("--fuse-projections: no block of this model has q/k/v or gate/up projections of one "
+                              "kind and input width to fuse; leave it off", param="fuse_projections")
+    return n
 
 
 def use_skinny_matmul(model, spec=None) -> int:
