@@ -1,0 +1,64 @@
+"""A served composition run through the ``openai`` SDK: start ``mlxb serve`` with the flags given, send one
+lone chat (a repetitive prompt, so lookup drafts), then six concurrent chats sharing a long system prompt
+(one with logprobs), then a lone one again; print finish reasons, the speculation and prompt-cache counters
+of ``/stats`` and ``/health``. Exits non-zero if a request fails or ``/health`` is not ok.
+
+    python3 scripts/serve_compose.py PORT --model M [serve flags ...]
+    e.g. --fuse-projections --spec lookup --spec-pipeline on --spec-max-batch 8 [--kv-bits 8 --kv-group-size 32]
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+from openai import OpenAI
+
+
+def main() -> int:
+    port, args = int(sys.argv[1]), sys.argv[2:]
+    model = args[args.index("--model") + 1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(180):
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        system = "You are a careful agent. " * 40
+
+        def chat(i: int):
+            r = client.chat.completions.create(
+                model=model, temperature=0, max_tokens=48, logprobs=i == 1, top_logprobs=2 if i == 1 else None,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": "alpha beta gamma delta " * (10 + i)}])
+            return r.choices[0].finish_reason, r.usage.completion_tokens
+
+        print("lone", chat(0))
+        with cf.ThreadPoolExecutor(6) as ex:
+            print("fleet", list(ex.map(chat, range(1, 7))))
+        print("lone again", chat(9))
+        eng = httpx.get(f"{base}/stats").json()["engine"]
+        sp = eng.get("speculation") or {}
+        print("speculation", json.dumps({k: sp.get(k) for k in ("pipeline", "verify_steps", "drafted", "accepted", "pipelined_kept",
+                                                                "pipelined_dropped", "pipelined_cancelled")}))
+        pc = httpx.get(f"{base}/stats").json().get("prompt_cache") or {}
+        print("prompt cache", json.dumps({k: pc.get(k) for k in ("lookups", "hits", "cached_tokens")}))
+        health = httpx.get(f"{base}/health").json()
+        print("health", health)
+        return 0 if health.get("status") == "ok" else 1
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
