@@ -26,7 +26,7 @@ def forwards(model):
     return a, b, c
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-qwen3.5", "tiny-minicpm"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-gemma4", "tiny-qwen3.5", "tiny-minicpm", "tiny-glm-mla"])
 def test_fused_forwards_equal_the_unfused_model(name):
     model = load_model(name)[0]  # its own copy: this test changes the modules
     before = forwards(model)

@@ -137,3 +137,17 @@ def test_auto_pipelines_only_on_a_gpu_backend(tiny_models, monkeypatch):
 def test_a_bad_mode_is_refused():
     with pytest.raises(ValueError, match="--spec-pipeline"):
         replace(SPEC, pipeline="always")
+
+
+def test_sampled_rows_are_never_pipelined_and_repeat_exactly(tiny_models):
+    """The guess needs the greedy choice: a seeded sampled row takes the ordinary verify step under ``on``
+    and gives the same tokens as with the pipeline off."""
+    from mlxb.request import SamplingParams
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    p = repetitive_prompts()[:1]
+    sp = SamplingParams(temperature=0.7, seed=11)
+    off, _ = run(model, tok, p, [0], 2, 40, spec=SPEC, sp=sp)
+    on, eng = run(model, tok, p, [0], 2, 40, spec=ON, sp=sp)
+    assert tokens(on[0]) == tokens(off[0]) and counts(eng) == (0, 0, 0)
+    assert eng.spec_stats()["verify_steps"] > 0
