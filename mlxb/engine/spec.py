@@ -108,13 +108,14 @@ def decode(r, plain=None, verify=None) -> list:
     its wall time feeds ``r.step_cost``. ``plain()`` / ``verify(props)`` run the forward (default: this
     process's; ``--tp`` passes calls that tell the other ranks first)."""
     t, n = time.perf_counter(), len(r.rows)
-    if r.ahead is not None:  # a verify step launched before the last one was read (spec_ahead)
-        r.spec_why, flushed, props = "ahead", [], [r.ahead.props]
+    ahead = r.ahead  # a verify step launched before the last one was read (spec_ahead)
+    if ahead is not None:
+        r.spec_why, flushed, props = "ahead", [], [ahead.props]
     else:
         flushed, props = prepare(r)
     flat = aligned(r)
-    if r.spec_why == "ahead":
-        out = spec_ahead.resolve(r, r.ahead)
+    if ahead is not None:
+        out = spec_ahead.resolve(r, ahead)
     elif props is None:
         out = flushed + (plain or r._plain_step)()
         if r.spec.adaptive and r.spec_why == "bar" and isinstance(r.proposer, LookupProposer):
@@ -304,6 +305,26 @@ def propose_all(r) -> list[list[int]]:
     return out
 
 
+def greedy_keep(r, row, p: list[int], choice: list[int], lps: mx.array, geo=None) -> tuple[list, int]:
+    """A greedy row without processors or grammar: its drafts ``p`` are kept while they equal ``choice`` (the
+    target's argmax at each position); emits the kept drafts and the target's token after them (log-probs
+    from ``lps`` [1 + W, V] where the request wants them). Returns (emitted, drafts kept)."""
+    a = 0
+    while a < len(p) and p[a] == choice[a]:
+        a += 1
+    want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
+    return [r._emit(row, t, lps[j : j + 1] if want_lp else None, geo) for j, t in enumerate(choice[: a + 1])], a
+
+
+def tally(r, row, n: int, a: int) -> None:
+    """A row drafted ``n`` and kept ``a`` in a verify step: its adaptive state, usage and the counters."""
+    if row.spec is not None and n:
+        row.spec.adapt(n, a, r.step_cost.ratio_at(len(r.rows)))
+        row.req.spec_drafted, row.req.spec_accepted = row.spec.drafted, row.spec.accepted
+    r.spec_counts["drafted"] += n
+    r.spec_counts["accepted"] += a
+
+
 def verify_step(r, props: list[list[int]]) -> list:
     """One target forward over every row's pending input and drafts; returns the emitted tokens (all
     of them read: nothing stays pending, except a lone row's next verify step, ``spec_ahead``)."""
@@ -330,12 +351,9 @@ def verify_step(r, props: list[list[int]]) -> list:
         want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
         toks = []
         if fast:
-            a = 0
-            while a < len(p) and p[a] == choice[i][a]:
-                a += 1
+            emitted, a = greedy_keep(r, row, p, choice[i], lp_all[i], geo[i])
+            out += emitted
             toks = choice[i][: a + 1]
-            for j, t in enumerate(toks):
-                out.append(r._emit(row, t, lp_all[i, j : j + 1] if want_lp else None, geo[i]))
         else:
             for j in range(len(p) + 1):
                 ctx = None if row.context is None else mx.concatenate([row.context, x[i, : j + 1]])
@@ -358,11 +376,7 @@ def verify_step(r, props: list[list[int]]) -> list:
             a = len(toks) - 1
         if row.context is not None:
             row.context = mx.concatenate([row.context, x[i, : a + 1]])
-        if row.spec is not None and p:
-            row.spec.adapt(len(p), a, r.step_cost.ratio_at(len(rows)))
-            row.req.spec_drafted, row.req.spec_accepted = row.spec.drafted, row.spec.accepted
-        r.spec_counts["drafted"] += len(p)
-        r.spec_counts["accepted"] += a
+        tally(r, row, len(p), a)
         kept.append(a)
         last.append(toks[-1])
     t3 = time.perf_counter()

@@ -60,11 +60,11 @@ def on_gpu() -> bool:
 
 def eligible(r) -> bool:
     """The lone-row verify step can be pipelined here (module notes)."""
-    from mlxb.engine.spec import LookupProposer
-
     mode = getattr(r.spec, "pipeline", "off")
     if mode == "off" or r.merged or len(r.rows) != 1 or r.kv is not None or r.capture is not None:
         return False
+    from mlxb.engine.spec import LookupProposer
+
     if not getattr(r, "pipeline_verify", False) or not isinstance(r.proposer, LookupProposer):
         return False
     row = r.rows[0]
@@ -114,7 +114,7 @@ def run(r, props: list[int]) -> list:
 
 def resolve(r, cur: Ahead) -> list:
     """Launch the guessed next step, then read ``cur``: emit its tokens, keep or drop the next step."""
-    from mlxb.engine.spec import settle
+    from mlxb.engine.spec import greedy_keep, settle, tally
 
     t0 = time.perf_counter()
     row = r.rows[0]
@@ -125,17 +125,10 @@ def resolve(r, cur: Ahead) -> list:
     choice = cur.choice.tolist()[0]
     t2 = time.perf_counter()
     p = cur.props
-    a = 0
-    while a < len(p) and p[a] == choice[a]:
-        a += 1
+    out, a = greedy_keep(r, row, p, choice, cur.lp[0])
     toks = choice[: a + 1]
-    want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
-    out = [r._emit(row, t, cur.lp[0, j : j + 1] if want_lp else None, None) for j, t in enumerate(toks)]
-    st.adapt(len(p), a, r.step_cost.ratio_at(1))
-    row.req.spec_drafted, row.req.spec_accepted = st.drafted, st.accepted
+    tally(r, row, len(p), a)
     c = r.spec_counts
-    c["drafted"] += len(p)
-    c["accepted"] += a
     c["verify_steps"] += 1
     keep = nxt is not None and a == len(p) and st.cooldown == 0
     if nxt is not None:

@@ -86,39 +86,36 @@ def _kind(layers: list) -> Optional[str]:
     return kind
 
 
-def _fused_layer(layers: list, kind: str) -> nn.Module:
-    keys = ["weight"] + (["scales"] + (["biases"] if layers[0].get("biases") is not None else []) if kind == "quantized" else [])
-    keys += ["bias"] if "bias" in layers[0] else []
-    if kind == "linear":
-        f = nn.Linear(1, 1, bias="bias" in layers[0])
+KEYS = ("weight", "scales", "biases", "bias")  # a (quantized) Linear's arrays, each with one row per output
+
+
+def _layer_like(template: nn.Module, arrays: dict) -> nn.Module:
+    """A layer of ``template``'s class and quantization holding ``arrays``, frozen (as mlx-lm leaves loaded
+    layers) and evaluated here, not lazily in whichever thread runs the model next."""
+    if type(template) is nn.Linear:
+        m = nn.Linear(1, 1, bias="bias" in arrays)
     else:
-        m0 = layers[0]
-        f = nn.QuantizedLinear(32 * 8, 1, bias="bias" in m0, group_size=m0.group_size, bits=m0.bits, mode=m0.mode)
-    for k in keys:
-        f[k] = mx.concatenate([m[k] for m in layers], axis=0)
-    if kind == "quantized" and "biases" not in keys and "biases" in f:
-        del f["biases"]
-    f.freeze()  # as mlx-lm leaves loaded layers: nothing here trains
-    return f
+        t = template
+        m = nn.QuantizedLinear(32 * 8, 1, bias="bias" in arrays, group_size=t.group_size, bits=t.bits, mode=t.mode)
+        if "biases" not in arrays and "biases" in m:
+            del m["biases"]
+    for k, v in arrays.items():
+        m[k] = v
+    m.freeze()
+    mx.eval(m.parameters())
+    return m
+
+
+def _fused_layer(layers: list) -> nn.Module:
+    """One layer whose rows are ``layers``' rows, in order."""
+    keys = [k for k in KEYS if layers[0].get(k) is not None]
+    return _layer_like(layers[0], {k: mx.concatenate([m[k] for m in layers], axis=0) for k in keys})
 
 
 def _views(f: nn.Module, bounds: list) -> list:
-    """Layers of the fused layer's rows ``[s, e)`` each (views of its arrays, evaluated here)."""
-    out = []
-    for s, e in bounds:
-        if type(f) is nn.Linear:
-            m = nn.Linear(1, 1, bias="bias" in f)
-        else:
-            m = nn.QuantizedLinear(32 * 8, 1, bias="bias" in f, group_size=f.group_size, bits=f.bits, mode=f.mode)
-            if f.get("biases") is None and "biases" in m:
-                del m["biases"]
-        for k in ("weight", "scales", "biases", "bias"):
-            if k in f:
-                m[k] = f[k][s:e]
-        m.freeze()
-        mx.eval(m.parameters())  # made here, not lazily in whichever thread runs the model next
-        out.append(m)
-    return out
+    """Layers of the fused layer's rows ``[s, e)`` each (views of its arrays)."""
+    keys = [k for k in KEYS if f.get(k) is not None]
+    return [_layer_like(f, {k: f[k][s:e] for k in keys}) for s, e in bounds]
 
 
 def fuse(model: nn.Module) -> int:
@@ -134,8 +131,7 @@ def fuse(model: nn.Module) -> int:
                 continue
             sizes = [m["weight"].shape[0] if kind == "linear" else m["scales"].shape[0] for m in layers]
             group = _Group(sizes)
-            fused = _fused_layer(layers, kind)
-            mx.eval(fused.parameters())  # layer by layer: the old weights go as the new ones arrive
+            fused = _fused_layer(layers)  # evaluated layer by layer: the old weights go as the new ones arrive
             views = _views(fused, group.bounds)
             head = FusedPart(group, 0, views[0], fused=fused)
             setattr(mod, names[0], head)
