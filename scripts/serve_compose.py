@@ -1,6 +1,6 @@
 """A served composition run through the ``openai`` SDK: start ``mlxb serve`` with the flags given, send one
 lone chat (a repetitive prompt, so lookup drafts), then six concurrent chats sharing a long system prompt
-(one with logprobs), then a lone one again; print finish reasons, the speculation and prompt-cache counters
+(one with logprobs), a ``json_schema`` row, then a lone one again; print finish reasons, the speculation and prompt-cache counters
 of ``/stats`` and ``/health``. Exits non-zero if a request fails or ``/health`` is not ok.
 
     python3 scripts/serve_compose.py PORT --model M [serve flags ...]
@@ -45,6 +45,10 @@ def main() -> int:
         print("lone", chat(0))
         with cf.ThreadPoolExecutor(6) as ex:
             print("fleet", list(ex.map(chat, range(1, 7))))
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        r = client.chat.completions.create(model=model, max_tokens=40, messages=[{"role": "user", "content": "json"}],
+                                           response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        print("json_schema row", json.loads(r.choices[0].message.content))
         print("lone again", chat(9))
         eng = httpx.get(f"{base}/stats").json()["engine"]
         sp = eng.get("speculation") or {}
