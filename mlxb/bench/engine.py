@@ -53,21 +53,27 @@ def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
         engine.submit(r, st)
         streams.append(st)
         reqs.append(r)
-    firsts, lasts, n = [], [], 0
+    seen, n = [], 0  # per stream: arrival times of its first two and its last token
     for st in streams:
-        first = None
+        ts = []
         for out in st:
             now = time.perf_counter()
             if out.token is not None:
                 n += 1
-                first = first or now
-                last = now
-        firsts.append(first)
-        lasts.append(last)
-    end = max(lasts)
+                ts = ts[:2] + [now] if len(ts) == 3 else ts + [now]
+        seen.append(ts)
+    end = max(ts[-1] for ts in seen)
     joined = max(r.timings.first_token for r in reqs)  # engine-side: every row has token 0
-    return {"tokens": n, "wall": end - t0, "ttft": firsts[0] - t0, "decode": (gen - 1) / (lasts[0] - firsts[0]),
-            "all_first_s": joined - t0, "timing": engine.step_timing()}
+    return {"tokens": n, "wall": end - t0, "ttft": seen[0][0] - t0, "all_first_s": joined - t0,
+            "timing": engine.step_timing(), **_rates(seen[0], gen)}
+
+
+def _rates(ts: list, gen: int) -> dict:
+    """One stream's decode rate from token 0 and from token 1 (arrival times of tokens 0, 1 and last)."""
+    out = {"decode": (gen - 1) / (ts[-1] - ts[0])}
+    if gen > 2:
+        out["decode_from1"] = (gen - 2) / (ts[-1] - ts[1])
+    return out
 
 
 def peer_single(model, tokenizer, prompt: list[int], gen: int) -> dict:
@@ -76,14 +82,12 @@ def peer_single(model, tokenizer, prompt: list[int], gen: int) -> dict:
     tok = copy.copy(tokenizer)
     tok._eos_token_ids = set()
     t0 = time.perf_counter()
-    first = last = None
-    n = 0
+    ts, n = [], 0
     for r in stream_generate(model, tok, prompt, max_tokens=gen):
         now = time.perf_counter()
-        first = first or now
-        last = now
+        ts = ts[:2] + [now] if len(ts) == 3 else ts + [now]
         n += 1
-    return {"tokens": n, "wall": last - t0, "ttft": first - t0, "decode": (gen - 1) / (last - first)}
+    return {"tokens": n, "wall": ts[-1] - t0, "ttft": ts[0] - t0, **_rates(ts, gen)}
 
 
 def peer_batch(model, prompts: list[list[int]], gen: int) -> dict:
@@ -221,6 +225,13 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                               peer_single(model, tokenizer, p1, gen), ours(engine, [p1], gen))
             rows.append({"metric": "b1_decode_tps", "B": 1, "repeat": rep, "ours": (a1["decode"] + a2["decode"]) / 2,
                          "peer": (b1["decode"] + b2["decode"]) / 2, "peer_name": "mlx_lm.stream_generate"})
+            if gen > 2:  # the same runs from token 1: token 0 is sent before step 1 by us, after it by mlx-lm
+                rows.append({"metric": "b1_decode_from1_tps", "B": 1, "repeat": rep,
+                             "ours": (a1["decode_from1"] + a2["decode_from1"]) / 2,
+                             "peer": (b1["decode_from1"] + b2["decode_from1"]) / 2, "peer_name": "mlx_lm.stream_generate"})
+            rows.append({"metric": "b1_request_per_s", "B": 1, "repeat": rep,  # 1 / (submit to last token)
+                         "ours": 2 / (a1["wall"] + a2["wall"]), "peer": 2 / (b1["wall"] + b2["wall"]),
+                         "peer_name": "mlx_lm.stream_generate"})
             if comp is not None:  # compiled, plain, peer, peer, plain, compiled: interleaved as above
                 c1, d1, e1, e2, d2, c2 = (ours(comp, [p1], gen), ours(engine, [p1], gen),
                                           peer_single(model, tokenizer, p1, gen), peer_single(model, tokenizer, p1, gen),

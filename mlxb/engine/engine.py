@@ -107,6 +107,7 @@ class Engine:
         self.attention_kernels = "default"  # set by build_gateway (mlxb.engine.build.choose_attention_kernels)
         self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
         self.trace = IterationTrace()  # MLXB_TRACE=FILE: one JSON line per iteration (diagnostics)
+        self.idle_poll_s = 0.05  # how long an idle engine waits on its inbox per loop
         self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
 
     # ---- caller side -----------------------------------------------------------------------
@@ -217,16 +218,19 @@ class Engine:
 
     def _loop_body(self) -> None:
         try:
-            was_busy = False
+            was_busy = clear = False
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
                 busy = bool(self.scheduler.has_work() or (self._serial and self.scheduler.is_idle))
-                if was_busy and not busy and not self.scheduler.waiting:
-                    # NOTE: idle now: hand MLX's cached free buffers back to the device (nothing waits
-                    # on it), so another process on the same device, or the next burst, finds it free
-                    mx.clear_cache()
+                clear = (clear or was_busy) and not busy and not self.scheduler.waiting
                 was_busy = busy
-                self._drain_inbox(block=not busy)
+                if not self._drain_inbox(block=not busy) and clear:
+                    # NOTE: idle for a poll: hand MLX's cached free buffers back to the device (nothing
+                    # waits on it), so another process on the same device, or the next burst, finds it
+                    # free. Not at once: the clear holds the GIL for milliseconds (6 ms on a 2-core CPU),
+                    # and the last answer's consumer is still waking up.
+                    mx.clear_cache()
+                    clear = False
                 if not busy:
                     self.runner.idle()
                 self._calls.run()
@@ -285,11 +289,12 @@ class Engine:
         self.check_admissible(req)
         self._accept(req, stream)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool) -> bool:
+        """Take what was handed in (waiting up to ``idle_poll_s`` if ``block``); whether anything was."""
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             kind, a, b = item
             if kind == "submit":
@@ -305,7 +310,7 @@ class Engine:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _accept(self, req: Request, stream: OutputStream) -> None:
         detok = copy.copy(self.tokenizer._detokenizer)

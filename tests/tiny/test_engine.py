@@ -298,3 +298,42 @@ def test_warm_up_respects_a_small_kv_budget(tiny_models):
     assert not eng._live and eng.scheduler.is_idle and eng.scheduler.used_bytes == 0
     none = Engine(model, tok, max_batch=4, kv_budget=1)
     assert warm_up(none)["requests"] == 0
+
+
+def test_idle_engine_gives_cached_buffers_back_after_a_poll_not_before_the_last_answer(tiny_models, monkeypatch):
+    """Going idle clears MLX's buffer cache once, after the inbox stayed empty for a poll: never while
+    the batch runs, and a request that arrives within the poll finds the buffers still cached."""
+    import mlxb.engine.engine as engine_mod
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    events = []
+
+    class Mx:  # the engine module's mx, with clear_cache recorded
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def clear_cache(self):
+            events.append("clear")
+            mx.clear_cache()
+
+    monkeypatch.setattr(engine_mod, "mx", Mx())
+    eng = Engine(model, tok, max_batch=2)
+    eng.idle_poll_s = 1.0  # the second request surely arrives within the first poll
+    eng.start()
+    try:
+        for k in range(2):
+            r = Request(f"c{k}", prompts(1, seed=k)[0], 6, ignore_eos=True)
+            st = OutputStream(r.request_id)
+            eng.submit(r, st)
+            assert len([o for o in st if o.token is not None]) == 6
+            events.append("answered")
+            if k == 0:  # the next request arrives at once: no clear in between
+                continue
+            deadline = time.monotonic() + 10
+            while events[-1] != "clear" and time.monotonic() < deadline:
+                time.sleep(0.01)
+        time.sleep(0.2)
+    finally:
+        eng.shutdown()
+    assert events.count("clear") == 1 and events[-1] == "clear", events
+    assert events.index("clear") > events.index("answered"), events
