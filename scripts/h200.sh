@@ -188,6 +188,18 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     mkdir -p /tmp/bench && cd /tmp/bench
     timeout ${SERVE_LIMIT:-120} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --batch 8 --concurrency 1 --requests 6 \
       --input-len 100 --output-len 128 --repeats 2 2>&1 | tee "$OUT/served1.txt" | tail -8 ;;
+  lone)  # issue 19: the idle clear's cost to a lone request's last token (probe), then bench engine B=1 and a served lone stream
+    for m in ${MODELS:-synth-llama-8b synth-llama-1b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      timeout ${LIMIT1:-120} python3 scripts/idle_clear_probe.py /var/tmp/$m --gen 128 --repeats ${REPEATS:-5} --out "$OUT/idle-clear-$m.json" \
+        2>&1 | grep -v Warning | grep -v '^{"repeat"' | tr -d ' \n'; echo
+      timeout ${LIMIT2:-200} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches 1 --prompt-len 128 --gen 128 \
+        --repeats ${REPEATS:-5} --prefill-len 512 --out "$OUT/engine-b1-$m.json" 2>&1 | grep -v Warning | grep -E "b1|aggregate|prefill" | head -8
+      [ "${SERVED:-1}" = 1 ] || continue
+      mkdir -p /tmp/bench && (cd /tmp/bench && timeout ${LIMIT3:-150} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --batch 8 \
+        --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8)
+    done
+    [ -d /tmp/bench/reports ] && (cd /tmp/bench && tar czf "$OUT/lone-served-results.tgz" reports/results) ;;
   served1)  # a lone request served by mlxb serve against our in-process B=1 and mlx-lm (issue 19), then CUDA LoRA parity
     for m in ${MODELS:-synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
