@@ -60,12 +60,17 @@ def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
             now = time.perf_counter()
             if out.token is not None:
                 n += 1
-                ts = ts[:2] + [now] if len(ts) == 3 else ts + [now]
+                ts = _mark(ts, now)
         seen.append(ts)
     end = max(ts[-1] for ts in seen)
     joined = max(r.timings.first_token for r in reqs)  # engine-side: every row has token 0
     return {"tokens": n, "wall": end - t0, "ttft": seen[0][0] - t0, "all_first_s": joined - t0,
             "timing": engine.step_timing(), **_rates(seen[0], gen)}
+
+
+def _mark(ts: list, now: float) -> list:
+    """Arrival times kept per stream: the first two tokens' and the latest one's."""
+    return ts[:2] + [now] if len(ts) == 3 else ts + [now]
 
 
 def _rates(ts: list, gen: int) -> dict:
@@ -85,7 +90,7 @@ def peer_single(model, tokenizer, prompt: list[int], gen: int) -> dict:
     ts, n = [], 0
     for r in stream_generate(model, tok, prompt, max_tokens=gen):
         now = time.perf_counter()
-        ts = ts[:2] + [now] if len(ts) == 3 else ts + [now]
+        ts = _mark(ts, now)
         n += 1
     return {"tokens": n, "wall": ts[-1] - t0, "ttft": ts[0] - t0, **_rates(ts, gen)}
 
