@@ -6,6 +6,11 @@
 #   carry .whl/a:  bash .whl/a/stash.sh
 #   carry .whl/c:  bash .whl/c/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
+# Targets that start `mlxb serve` (bench load) need the server's wheels, which the device lacks; name them to
+# prepare.sh as extras (stop 39 served with these, plus fastapi and pydantic, which mlxb does not import):
+#   bash ../shared/gpu/prepare.sh starlette==1.10.0 uvicorn==0.55.0 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 \
+#     click==8.5.1 prometheus-client==0.26.0 llguidance==1.9.1 jsonschema jsonschema-specifications referencing \
+#     rpds-py attrs && bash scripts/gpu_three_carries.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)/.whl"
 [ -f a/mlx_cuda.part.0 ] && [ -f b/mlx_cuda.part.1 ] || { echo "run ../shared/gpu/prepare.sh first"; exit 2; }

@@ -177,7 +177,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
         | grep -v Warning | tee "$OUT/compile-step-$m.txt"
     done ;;
   graphs)  # issue 19: bench engine at two MLX CUDA graph sizes (MLX_MAX_OPS_PER_BUFFER; MLX's default is 20), then a served
-           # lone stream (needs fastapi/uvicorn carried: ../shared/gpu/prepare.sh takes them as extras)
+           # lone stream (needs the server wheels carried: see scripts/gpu_three_carries.sh)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     for s in ${GRAPH_SETTINGS:-20 250}; do
