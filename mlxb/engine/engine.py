@@ -218,19 +218,17 @@ class Engine:
 
     def _loop_body(self) -> None:
         try:
-            was_busy = clear = False
+            owed = False  # busy since MLX's buffer cache was last cleared
             while not self._stop.is_set():
                 self.last_beat = time.monotonic()
                 busy = bool(self.scheduler.has_work() or (self._serial and self.scheduler.is_idle))
-                clear = (clear or was_busy) and not busy and not self.scheduler.waiting
-                was_busy = busy
-                if not self._drain_inbox(block=not busy) and clear:
-                    # NOTE: idle for a poll: hand MLX's cached free buffers back to the device (nothing
-                    # waits on it), so another process on the same device, or the next burst, finds it
-                    # free. Not at once: the clear holds the GIL for milliseconds (6 ms on a 2-core CPU),
-                    # and the last answer's consumer is still waking up.
+                owed = owed or busy
+                if not self._drain_inbox(block=not busy) and owed and not busy and not self.scheduler.waiting:
+                    # NOTE: idle for a whole poll: give MLX's cached buffers back to the device for another
+                    # process or the next burst. Not at once: the clear holds the GIL for milliseconds (6 ms
+                    # on a 2-core CPU) while the last answer's consumer is still waking up.
                     mx.clear_cache()
-                    clear = False
+                    owed = False
                 if not busy:
                     self.runner.idle()
                 self._calls.run()
@@ -290,13 +288,14 @@ class Engine:
         self._accept(req, stream)
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Take what was handed in (waiting up to ``idle_poll_s`` if ``block``); whether anything was."""
-        try:
-            item = self._inbox.get(timeout=self.idle_poll_s) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return False
+        """Take what was handed in (waiting up to ``idle_poll_s`` for the first if ``block``); whether anything was."""
+        got = False
         while True:
-            kind, a, b = item
+            try:
+                kind, a, b = self._inbox.get(timeout=self.idle_poll_s) if block and not got else self._inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
             if kind == "submit":
                 self._accept(a, b)
             elif kind == "cancel":
@@ -307,10 +306,6 @@ class Engine:
                 self._calls.add(a, b)
             elif kind == "die":
                 raise RuntimeError("engine killed for test")
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
 
     def _accept(self, req: Request, stream: OutputStream) -> None:
         detok = copy.copy(self.tokenizer._detokenizer)
