@@ -269,6 +269,7 @@ def engine(
     compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run a second engine with --compile-batch (compiled lone-row and batch steps), interleaved with our plain engine and mlx-lm."),
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: each aggregate arm at B>1 also runs our engine with serve's --skinny-matmul on the same prompts."),
     fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Each aggregate arm (B=1 too) also runs our engine with serve's --fuse-projections on the same prompts."),
+    served: bool = typer.Option(False, "--served", help="Also start `mlxb serve --no-prompt-cache` on the same folder and send each B=1 prompt there: rows b1_served_* (served over in-process)."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
     if adapters and tp > 1:
@@ -312,10 +313,22 @@ def engine(
 
         use_fused_projections(m)  # refuses a model with nothing to fuse; the arms switch it on and off
         unfuse(m)
-    with status("benchmarking ...") as st:
-        res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
-                  progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode,
-                  skinny=skinny_matmul, fused=fuse_projections)
+    srv = None
+    if served:
+        from mlxb.bench import servers
+
+        with status("starting mlxb serve for the served arm ..."):
+            srv = servers.start("mlxb", str(path), batch=max(bs), max_tokens=max(512, gen),
+                                extra=("--no-prompt-cache",))  # the folder of this dtype: no --dtype
+    try:
+        with status("benchmarking ...") as st:
+            res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
+                      progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode,
+                      skinny=skinny_matmul, fused=fuse_projections,
+                      served=(srv.base_url, srv.model_name) if srv else None)
+    finally:
+        if srv is not None:
+            srv.stop()
     res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")

@@ -13,6 +13,8 @@ exactly ``gen_tokens``.
   are left-padded and both sides attend through a padding mask. With equal lengths no row is
   padded and our engine skips the mask (mlx-lm builds one anyway); this metric shows the other case.
 * ``prefill``: prompt tokens / time to first token for one request, both sides.
+* ``b1_served_*`` (``served=``): the B=1 prompt through a running ``mlxb serve`` over our in-process
+  engine, by decode rate and by request rate (``mlxb.bench.served``).
 
 Before the timed repeats each arm runs every B once untimed, with the same prompt length and
 ``gen``: MLX compiles kernels for each new shape on first use (seconds on CUDA), and a row set that
@@ -180,14 +182,17 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
         progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False, skinny: bool = False,
-        fused: bool = False) -> dict:
+        fused: bool = False, served: Optional[tuple[str, str]] = None) -> dict:
     """``fused``: each aggregate arm (B=1 included) also runs our engine with ``--fuse-projections`` on the same
     prompts, right after the plain one (rows ``aggregate_fused[_ragged]_over_plain``).
     ``skinny``: each aggregate arm at B > 1 also runs our engine with ``--skinny-matmul`` on the same prompts
     (rows ``aggregate_skinny_tps`` against mlx-lm and ``aggregate_skinny_over_plain``; CUDA only).
     ``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
     (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)
-    and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``)."""
+    and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``).
+    ``served``: (base URL, model id) of a running ``mlxb serve`` on the same folder; each B=1 repeat also sends
+    its prompt there, first and last (served, ours, peer, peer, ours, served), and rows ``b1_served_*`` give
+    served over our in-process engine (``mlxb.bench.served``)."""
     vocab = int(getattr(model.args, "vocab_size", 8192))
     engine = Engine(model, tokenizer, max_batch=max(batches))
     warm_up(engine)
@@ -206,6 +211,10 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         peer_single(model, tokenizer, warm[0], 8)
         if comp is not None:  # its first trace and buffer growth, untimed
             ours(comp, [warm[0]], gen)
+        if served is not None:
+            from mlxb.bench.served import served_single
+
+            served_single(*served, warm[0], gen)  # untimed: the server's first request
         pw = _prompts(1, prefill_len, vocab, 98)[0]  # the prefill metric's shapes, once per arm
         ours(engine, [pw], 2)
         peer_single(model, tokenizer, pw, 2)
@@ -226,8 +235,18 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             p1 = _prompts(1, prompt_len, vocab, rep)[0]
             say(f"repeat {rep + 1}/{repeats}: B=1 decode")
             # ours, peer, peer, ours: a drift in machine speed within the repeat hits both arms alike
+            s1 = served_single(*served, p1, gen) if served is not None else None
             a1, b1, b2, a2 = (ours(engine, [p1], gen), peer_single(model, tokenizer, p1, gen),
                               peer_single(model, tokenizer, p1, gen), ours(engine, [p1], gen))
+            if served is not None:  # served over in-process, same prompt and tokens, bracketing our arms
+                s2 = served_single(*served, p1, gen)
+                for name, key in (("b1_served_decode_tps", "decode"), ("b1_served_decode_from1_tps", "decode_from1")):
+                    if key in s1:
+                        rows.append({"metric": name, "B": 1, "repeat": rep, "ours": (s1[key] + s2[key]) / 2,
+                                     "peer": (a1[key] + a2[key]) / 2, "peer_name": "mlxb in-process"})
+                rows.append({"metric": "b1_served_request_per_s", "B": 1, "repeat": rep,
+                             "ours": 2 / (s1["wall"] + s2["wall"]), "peer": 2 / (a1["wall"] + a2["wall"]),
+                             "peer_name": "mlxb in-process"})
             rows.append({"metric": "b1_decode_tps", "B": 1, "repeat": rep, "ours": (a1["decode"] + a2["decode"]) / 2,
                          "peer": (b1["decode"] + b2["decode"]) / 2, "peer_name": "mlx_lm.stream_generate"})
             if gen > 2:  # the same runs from token 1: token 0 is sent before step 1 by us, after it by mlx-lm
@@ -306,7 +325,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
     return {"rows": rows, "summary": summary, "peak_memory_bytes": peak, "late_joiner_stall": stall,
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
                        "prefill_len": prefill_len, "compile_decode": compile_decode, "skinny_matmul": skinny,
-                       "fuse_projections": fused}}
+                       "fuse_projections": fused, "served": served is not None}}
 
 
 @contextlib.contextmanager

@@ -53,3 +53,27 @@ def test_bench_load_cli_against_mlxb_and_mlx_lm(tmp_path):
     rep = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "report", "--out", "r.html"], capture_output=True,
                          text=True, cwd=tmp_path, env=env)
     assert rep.returncode == 0 and "data:image/png" in (tmp_path / "r.html").read_text()
+
+
+def test_served_arm_times_the_same_tokens_as_the_in_process_arm(live):
+    """`bench engine --served`: the B=1 prompt through a live server, exactly gen tokens, rates from token 0 and 1,
+    and rows of served over in-process next to the usual ones; a server that refuses the request is an error."""
+    import pytest
+
+    from mlxb.bench.engine import _prompts, run
+    from mlxb.bench.served import served_single
+
+    gw = live.gw
+    url = live.url + "/v1"
+    p = _prompts(1, 16, 8192, 3)[0]
+    one = served_single(url, "tiny-llama", p, 12)
+    assert one["tokens"] == 12 and one["wall"] > one["ttft"] > 0
+    assert one["decode"] > 0 and one["decode_from1"] > 0
+    with pytest.raises(RuntimeError, match="404"):
+        served_single(url, "no-such-model", p, 12)
+    res = run(gw.engine.model, gw.tokenizer, batches=(1,), prompt_len=16, gen=8, repeats=1, prefill_len=32,
+              served=(url, "tiny-llama"))
+    got = {r["metric"]: r for r in res["rows"]}
+    for name in ("b1_served_decode_tps", "b1_served_decode_from1_tps", "b1_served_request_per_s"):
+        assert got[name]["peer_name"] == "mlxb in-process" and got[name]["ours"] > 0 and got[name]["peer"] > 0
+    assert got["b1_decode_tps"]["peer_name"] == "mlx_lm.stream_generate" and res["config"]["served"] is True
