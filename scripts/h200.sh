@@ -200,6 +200,13 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
         --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8)
     done
     [ -d /tmp/bench/reports ] && (cd /tmp/bench && tar czf "$OUT/lone-served-results.tgz" reports/results) ;;
+  servedb1)  # issue 19: bench engine B=1 with --served (the same prompt through mlxb serve, bracketing the in-process arms)
+    for m in ${MODELS:-synth-llama-8b synth-llama-1b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      timeout ${LIMIT:-240} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-1} --prompt-len 128 \
+        --gen ${GEN:-128} --repeats ${REPEATS:-5} --prefill-len 512 --served --out "$OUT/engine-served-$m.json" 2>&1 \
+        | grep -v Warning | grep -E "b1|served|request|aggregate|prefill" | head -12
+    done ;;
   served1)  # a lone request served by mlxb serve against our in-process B=1 and mlx-lm (issue 19), then CUDA LoRA parity
     for m in ${MODELS:-synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
