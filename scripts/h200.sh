@@ -200,6 +200,26 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
         --concurrency 1 --requests 6 --input-len 100 --output-len 128 --repeats 3 2>&1 | tail -8)
     done
     [ -d /tmp/bench/reports ] && (cd /tmp/bench && tar czf "$OUT/lone-served-results.tgz" reports/results) ;;
+  gemv)  # issue 19: the skinny kernel with its loads unrolled (MLXB_SKINNY_UNROLL) at 1..8 rows against MLX's gemv and
+         # cuBLAS (bandwidth, bit-equality), then bench engine B=1 (and B=8) with lone rows on it
+    python3 scripts/skinny_cost.py --out "$OUT/gemv-cost.json" --rows ${ROWS:-1,2,5,8} --rw ${RW:-1,2} --unroll ${UNROLLS:-1,2,4,8} \
+      --reductions cg --shapes ${SHAPES:-8b-qo,8b-kv,8b-gateup,8b-down,1b-qo,1b-gateup} --repeats 3 2>&1 | grep -v Warning | grep -v '^{' 
+    python3 -c "
+import json; d=json.load(open('$OUT/gemv-cost.json'))
+for r in d['results']:
+    arms={k[:-3]: r[k] for k in r if k.endswith('_us') and not k.endswith('build_us')}
+    best=min(arms, key=arms.get)
+    eq={k: r.get(k+'_rows_equal_gemv') for k in arms if k!='mlx'}
+    print(r['shape'], r['rows'], 'mlx %.1fus %.0fGB/s' % (r['mlx_us'], r['mlx_gbps']), 'best', best, '%.1fus' % arms[best],
+          ' '.join('%s=%.1f' % (k, v) for k, v in sorted(arms.items()) if k != 'mlx'), 'all rows equal:', all(v == r['rows'] for v in eq.values()))
+"
+    [ "${BENCH:-1}" = 1 ] || exit 0
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    MLXB_SKINNY_MIN_ROWS=1 MLXB_SKINNY_MAX_WEIGHT=${MAXW:-100000000000} MLXB_SKINNY_UNROLL=${U:-4} timeout ${LIMIT:-300} \
+      python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8} --prompt-len 128 --gen 128 \
+      --repeats ${REPEATS:-5} --prefill-len 512 --skinny-matmul --out "$OUT/engine-gemv-u${U:-4}.json" 2>&1 | grep -v Warning \
+      | grep -E "b1|skinny|aggregate|prefill" ;;
   servedb1)  # issue 19: bench engine B=1 with --served (the same prompt through mlxb serve, bracketing the in-process arms)
     for m in ${MODELS:-synth-llama-8b synth-llama-1b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

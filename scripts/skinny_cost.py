@@ -3,7 +3,10 @@ and row count: microseconds per product (weights cycled over more than L2 holds,
 weight from HBM), host microseconds to build the graph of one call, and whether every row equals the one-row
 gemv (``x[m:m+1] @ W.T``) bit for bit. Writes JSON to --out.
 
-    python3 scripts/skinny_cost.py --out skinny.json [--rows 1,2,4,5,8,16] [--repeats 3]
+    python3 scripts/skinny_cost.py --out skinny.json [--rows 1,2,4,5,8,16] [--repeats 3] [--unroll 1,4]
+
+``--unroll``: the kernel's steps per trip (loads issued together; the sums do not change). At one row the
+reference is MLX's own product, which is its gemv, so ``rows_equal_gemv`` checks the kernel against it.
 """
 
 from __future__ import annotations
@@ -44,19 +47,24 @@ def main() -> None:
     ap.add_argument("--rw", default="1,2,4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--unroll", default="1")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--reductions", default=",".join(skinny.REDUCTIONS))
     a = ap.parse_args()
+    unrolls = [int(u) for u in a.unroll.split(",")]
     rows_list = [int(r) for r in a.rows.split(",")]
     rws = [int(r) for r in a.rw.split(",")]
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "results": []}
     reductions = []
-    for red in skinny.REDUCTIONS:
+    for red in a.reductions.split(","):
         try:
             print(f"self_check {red}:", skinny.self_check(red), flush=True)
             reductions.append(red)
         except ValueError as e:
             print(f"self_check {red} failed: {e}", flush=True)
     out["reductions"] = reductions
-    for name, (n, k) in SHAPES.items():
+    for name in a.shapes.split(","):
+        n, k = SHAPES[name]
         copies = max(2, int(200e6 // (n * k * 2)) + 1)  # > L2 (50 MB) in all
         ws = [(mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16) for _ in range(copies)]
         mx.eval(ws)
@@ -67,17 +75,18 @@ def main() -> None:
                 mx.eval(x @ ws[0].T)
             rec = {"shape": name, "n": n, "k": k, "rows": rows}
             rec["mlx_us"], rec["mlx_build_us"] = timed(lambda i: x @ ws[i % copies].T, a.calls, a.repeats)
-            if rows >= 2:
-                want = mx.concatenate([x[m:m + 1] @ ws[0].T for m in range(rows)])
-                for red in reductions:
-                    for rw in rws:
-                        tag = f"{red}_rw{rw}"
-                        mx.eval(skinny.skinny_matmul(x, ws[0], red, rw))
+            want = mx.concatenate([x[m:m + 1] @ ws[0].T for m in range(rows)])
+            for red in reductions:
+                for rw in rws:
+                    for u in unrolls:
+                        tag = f"{red}_rw{rw}" + (f"_u{u}" if u != 1 else "")
+                        mx.eval(skinny.skinny_matmul(x, ws[0], red, rw, u))
                         rec[tag + "_us"], rec[tag + "_build_us"] = timed(
-                            lambda i: skinny.skinny_matmul(x, ws[i % copies], red, rw), a.calls, a.repeats)
-                        got = skinny.skinny_matmul(x, ws[0], red, rw)
+                            lambda i: skinny.skinny_matmul(x, ws[i % copies], red, rw, u), a.calls, a.repeats)
+                        got = skinny.skinny_matmul(x, ws[0], red, rw, u)
                         rec[tag + "_rows_equal_gemv"] = int(mx.all(got == want, axis=1).sum().item())
                         rec[tag + "_max_diff"] = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+                        rec[tag + "_gbps"] = n * k * 2 / (rec[tag + "_us"] * 1e-6) / 1e9
             gbps = n * k * 2 / (rec["mlx_us"] * 1e-6) / 1e9
             rec["mlx_gbps"] = gbps
             out["results"].append(rec)

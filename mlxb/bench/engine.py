@@ -185,8 +185,10 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         fused: bool = False, served: Optional[tuple[str, str]] = None) -> dict:
     """``fused``: each aggregate arm (B=1 included) also runs our engine with ``--fuse-projections`` on the same
     prompts, right after the plain one (rows ``aggregate_fused[_ragged]_over_plain``).
-    ``skinny``: each aggregate arm at B > 1 also runs our engine with ``--skinny-matmul`` on the same prompts
-    (rows ``aggregate_skinny_tps`` against mlx-lm and ``aggregate_skinny_over_plain``; CUDA only).
+    ``skinny``: each aggregate arm at B >= ``MLXB_SKINNY_MIN_ROWS`` (2 unless set) also runs our engine with
+    ``--skinny-matmul`` on the same prompts (rows ``aggregate_skinny_tps`` against mlx-lm and
+    ``aggregate_skinny_over_plain``; CUDA only); at 1, B=1 decode arms too (``b1_decode_skinny_tps``,
+    ``b1_skinny_over_plain``).
     ``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
     (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)
     and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``).
@@ -225,7 +227,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             ps = _prompts(B, prompt_len, vocab, 5000 + B, ragged)
             ours(engine, ps, gen)
             peer_batch(model, ps, gen)
-            if skinny and B > 1:
+            if skinny and B >= skinny_rows()[0]:
                 with skinny_on(model):
                     ours(engine, ps, gen)
             if fused:
@@ -238,6 +240,15 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             s1 = served_single(*served, p1, gen) if served is not None else None
             a1, b1, b2, a2 = (ours(engine, [p1], gen), peer_single(model, tokenizer, p1, gen),
                               peer_single(model, tokenizer, p1, gen), ours(engine, [p1], gen))
+            if skinny and skinny_rows()[0] <= 1:  # lone rows on the skinny kernel too: its B=1 arms, after ours
+                with skinny_on(model):
+                    k1 = ours(engine, [p1], gen)
+                    k2 = ours(engine, [p1], gen)
+                kd = (k1["decode"] + k2["decode"]) / 2
+                rows.append({"metric": "b1_decode_skinny_tps", "B": 1, "repeat": rep, "ours": kd,
+                             "peer": (b1["decode"] + b2["decode"]) / 2, "peer_name": "mlx_lm.stream_generate"})
+                rows.append({"metric": "b1_skinny_over_plain", "B": 1, "repeat": rep, "ours": kd,
+                             "peer": (a1["decode"] + a2["decode"]) / 2, "peer_name": "mlxb plain step"})
             if served is not None:  # served over in-process, same prompt and tokens, bracketing our arms
                 s2 = served_single(*served, p1, gen)
                 for name, key in (("b1_served_decode_tps", "decode"), ("b1_served_decode_from1_tps", "decode_from1")):
@@ -274,7 +285,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                 ps = _prompts(B, prompt_len, vocab, 1000 * rep + B, ragged)
                 a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
                 assert a["tokens"] == b["tokens"] == B * gen, (a, b)
-                if skinny and B > 1:  # the same engine with the skinny products, same prompts
+                if skinny and B >= skinny_rows()[0]:  # the same engine with the skinny products, same prompts
                     with skinny_on(model):
                         c = ours(engine, ps, gen)
                     sfx = "_ragged" if ragged else ""
@@ -338,6 +349,12 @@ def fused_on(model):
         yield
     finally:
         unfuse(model)
+
+
+def skinny_rows() -> tuple[int, int]:
+    from mlxb.kernels import skinny
+
+    return skinny.MIN_ROWS, skinny.MAX_ROWS
 
 
 @contextlib.contextmanager

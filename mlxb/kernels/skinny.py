@@ -27,6 +27,7 @@ from mlxb.kernels import cuda_gpu
 
 NT = 256  # threads per block: 8 warps
 MAX_ROWS = int(os.environ.get("MLXB_SKINNY_MAX_ROWS", "8"))  # above this cuBLAS pays (scripts/skinny_cost.py)
+MIN_ROWS = int(os.environ.get("MLXB_SKINNY_MIN_ROWS", "2"))  # 1: lone rows too, instead of MLX's gemv
 MAX_WEIGHT = int(os.environ.get("MLXB_SKINNY_MAX_WEIGHT", str(4096 * 4096)))  # elements (see ``applies``)
 NPT = 4  # columns per lane per step, as MLX's gemv takes them when K % 128 == 0
 
@@ -59,7 +60,28 @@ SOURCE = r"""
   for (int r = 0; r < RW; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-  for (int col = 4 * lane; col < K; col += 128) {
+  int col = 4 * lane;
+  // U steps of 128 columns per trip: every weight load of the trip is issued before the first product, so
+  // each lane has U loads in flight; the products then run step by step, so the sums are the same
+  for (; col + (U - 1) * 128 < K; col += U * 128) {
+    mlxb_vec4<T> wv[U][RW];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RW; ++r)
+        if (n0 + r < N) wv[u][r] = *reinterpret_cast<const mlxb_vec4<T>*>(w + (size_t)(n0 + r) * K + col + u * 128);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const mlxb_vec4<T> xv = *reinterpret_cast<const mlxb_vec4<T>*>(x + (size_t)m * K + col + u * 128);
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[r][m] += static_cast<float>(wv[u][r].v[j]) * static_cast<float>(xv.v[j]);
+      }
+  }
+  for (; col < K; col += 128) {  // the steps left over when K is not a whole number of trips
     mlxb_vec4<T> wv[RW];
 #pragma unroll
     for (int r = 0; r < RW; ++r)
@@ -85,6 +107,7 @@ SOURCE = r"""
 REDUCTIONS = ("cg", "xor")
 _REDUCE = os.environ.get("MLXB_SKINNY_REDUCE", "cg")
 _RW = int(os.environ.get("MLXB_SKINNY_RW", "1"))  # weight rows per warp (scripts/skinny_cost.py sweeps it)
+_U = int(os.environ.get("MLXB_SKINNY_UNROLL", "1"))  # steps of 128 columns whose loads are issued together
 _KERNELS: dict = {}
 _PLANS: dict = {}
 
@@ -98,17 +121,17 @@ def applies(rows: int, k: int, x_dtype, w_dtype, n: int = 0) -> bool:
     steps of 128 columns, one 16-bit dtype, and a weight of at most MAX_WEIGHT elements (on the H200 cuBLAS
     read the 8B shape's 117 MB MLP weights at about 3.2 TB/s for 2 to 40 rows, which this kernel did not beat,
     while the 8 and 32 MB attention weights cost it a fixed 25-40 us: scripts/skinny_cost.py)."""
-    return (2 <= rows <= MAX_ROWS and k % (32 * NPT) == 0 and x_dtype == w_dtype
+    return (MIN_ROWS <= rows <= MAX_ROWS and k % (32 * NPT) == 0 and x_dtype == w_dtype
             and w_dtype in (mx.bfloat16, mx.float16) and n * k <= MAX_WEIGHT)
 
 
-def launch_plan(rows: int, n: int, dtype, rw: Optional[int] = None) -> dict:
+def launch_plan(rows: int, n: int, dtype, rw: Optional[int] = None, unroll: Optional[int] = None) -> dict:
     """Template constants, grid (in threads, as ``cuda_kernel`` takes it) and output shape; shared with the
     CPU emulation test."""
     rw = rw or _RW
     blocks = -(-n // (rw * NT // 32))
-    return dict(template=[("T", dtype), ("M", rows), ("RW", rw), ("NT", NT)], grid=(blocks * NT, 1, 1),
-                threadgroup=(NT, 1, 1), output_shapes=[(rows, n)])
+    return dict(template=[("T", dtype), ("M", rows), ("RW", rw), ("NT", NT), ("U", unroll or _U)],
+                grid=(blocks * NT, 1, 1), threadgroup=(NT, 1, 1), output_shapes=[(rows, n)])
 
 
 def _kernel(reduce: str):
@@ -119,14 +142,15 @@ def _kernel(reduce: str):
     return _KERNELS[reduce]
 
 
-def skinny_matmul(x: mx.array, w: mx.array, reduce: Optional[str] = None, rw: Optional[int] = None) -> mx.array:
-    """``x @ w.T`` for x [..., K] (2..MAX_ROWS rows in all) and w [N, K], both bf16 or both fp16."""
+def skinny_matmul(x: mx.array, w: mx.array, reduce: Optional[str] = None, rw: Optional[int] = None,
+                  unroll: Optional[int] = None) -> mx.array:
+    """``x @ w.T`` for x [..., K] (MIN_ROWS..MAX_ROWS rows in all) and w [N, K], both bf16 or both fp16."""
     k, n = x.shape[-1], w.shape[0]
     rows = x.size // k
-    key = (rows, n, x.dtype, rw)
+    key = (rows, n, x.dtype, rw, unroll)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = launch_plan(rows, n, x.dtype, rw)
+        plan = _PLANS[key] = launch_plan(rows, n, x.dtype, rw, unroll)
     (out,) = _kernel(reduce or _REDUCE)(inputs=[x.reshape(rows, k), w], output_dtypes=[x.dtype], **plan)
     return out.reshape(*x.shape[:-1], n)
 

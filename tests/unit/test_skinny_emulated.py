@@ -16,11 +16,11 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ f
 F32 = np.float32
 
 
-def emulated(x, w, rw, source=None):
+def emulated(x, w, rw, source=None, unroll=1):
     from tests.unit.cuda_emulation import EmulatedKernel
 
     rows, n = x.shape[0], w.shape[0]
-    plan = skinny.launch_plan(rows, n, "float", rw)
+    plan = skinny.launch_plan(rows, n, "float", rw, unroll)
     consts = {k: v for k, v in plan["template"]}
     k = EmulatedKernel("mlxb_skinny", [("x", F32), ("w", F32)], [("out", F32)], source or skinny.SOURCE,
                        skinny.HEADER_XOR, consts)
@@ -49,10 +49,13 @@ def case(rows, k, n, seed):
     return rng.standard_normal((rows, k)).astype(F32), (0.1 * rng.standard_normal((n, k))).astype(F32)
 
 
-@pytest.mark.parametrize("rows,k,n,rw", [(2, 256, 20, 1), (5, 384, 37, 2), (16, 128, 9, 1)])
-def test_every_row_equals_the_one_row_gemv_bit_for_bit(rows, k, n, rw):
+@pytest.mark.parametrize("rows,k,n,rw,unroll", [(2, 256, 20, 1, 1), (5, 384, 37, 2, 1), (16, 128, 9, 1, 1),
+                                                (1, 640, 19, 1, 4), (3, 384, 21, 2, 2), (1, 1024, 11, 1, 8)])
+def test_every_row_equals_the_one_row_gemv_bit_for_bit(rows, k, n, rw, unroll):
+    """``unroll`` > 1 issues several steps' loads at once and must not change a sum: 640 and 384 columns leave
+    steps over for the tail loop (5 steps at 4 per trip, 3 at 2), 1024 at 8 fills whole trips."""
     x, w = case(rows, k, n, rows * 100 + n)
-    got = emulated(x, w, rw)
+    got = emulated(x, w, rw, unroll=unroll)
     assert got.shape == (rows, n)
     for m in range(rows):
         assert np.array_equal(got[m], gemv_order(x[m], w)), f"row {m} differs from its one-row gemv sum"
@@ -63,11 +66,13 @@ def test_every_row_equals_the_one_row_gemv_bit_for_bit(rows, k, n, rw):
 def test_planted_bugs_fail():
     x, w = case(5, 256, 20, 7)
     reversed_rows = skinny.SOURCE.replace("x + (size_t)m * K", "x + (size_t)(M - 1 - m) * K")
-    wrong_step = skinny.SOURCE.replace("col += 128", "col += 132")
-    assert reversed_rows != skinny.SOURCE and wrong_step != skinny.SOURCE
+    wrong_step = skinny.SOURCE.replace("col += U * 128", "col += U * 132")
+    wrong_tail = skinny.SOURCE.replace("col += 128", "col += 132")  # only the steps left over from the trips
+    late_load = skinny.SOURCE.replace("col + u * 128);\n#pragma unroll\n    for (int u", "col);\n#pragma unroll\n    for (int u")
+    assert len({skinny.SOURCE, reversed_rows, wrong_step, wrong_tail, late_load}) == 5
     want = np.stack([gemv_order(x[m], w) for m in range(5)])
-    for src in (reversed_rows, wrong_step):
-        assert not np.array_equal(emulated(x, w, 1, src), want)
+    for src, unroll in ((reversed_rows, 1), (wrong_step, 1), (wrong_tail, 3), (late_load, 2)):
+        assert not np.array_equal(emulated(x, w, 1, src, unroll), want)
 
 
 def test_applies_only_where_the_kernel_is_exact_and_pays():
