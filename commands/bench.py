@@ -267,7 +267,7 @@ def engine(
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor parallel: run `mlxb bench tp` (our engine over N ranks vs one device; start every rank under mlx.launch)."),
     adapters: int = typer.Option(0, "--adapters", min=0, max=64, help="LoRA: run `mlxb bench lora` with this many random-weight adapters mixed (vs no adapter, one adapter, and mlx-lm's fused model)."),
     compile_decode: bool = typer.Option(False, "--compile-decode", help="Also run a second engine with --compile-batch (compiled lone-row and batch steps), interleaved with our plain engine and mlx-lm."),
-    skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: each aggregate arm at B>1 also runs our engine with serve's --skinny-matmul on the same prompts."),
+    skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: each aggregate arm at B>1 (B>=MLXB_SKINNY_MIN_ROWS; at 1 also B=1 decode arms) also runs our engine with serve's --skinny-matmul on the same prompts."),
     fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Each aggregate arm (B=1 too) also runs our engine with serve's --fuse-projections on the same prompts."),
     served: bool = typer.Option(False, "--served", help="Also start `mlxb serve --no-prompt-cache` on the same folder and send each B=1 prompt there: rows b1_served_* (served over in-process)."),
 ) -> None:

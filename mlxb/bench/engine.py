@@ -192,9 +192,9 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
     ``compile_decode``: a second engine of ours with ``--compile-decode`` joins the B=1 decode arms
     (rows ``b1_decode_compiled_tps`` against mlx-lm and ``b1_compiled_over_plain`` against our plain step)
     and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``).
-    ``served``: (base URL, model id) of a running ``mlxb serve`` on the same folder; each B=1 repeat also sends
-    its prompt there, first and last (served, ours, peer, peer, ours, served), and rows ``b1_served_*`` give
-    served over our in-process engine (``mlxb.bench.served``)."""
+    ``served``: (base URL, model id) of a running ``mlxb serve`` on the same folder; each B=1 repeat also
+    sends its prompt there, first and last (served, ours, peer, peer, ours[, skinny, skinny], served), and
+    rows ``b1_served_*`` give served over our in-process engine (``mlxb.bench.served``)."""
     vocab = int(getattr(model.args, "vocab_size", 8192))
     engine = Engine(model, tokenizer, max_batch=max(batches))
     warm_up(engine)
@@ -227,7 +227,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             ps = _prompts(B, prompt_len, vocab, 5000 + B, ragged)
             ours(engine, ps, gen)
             peer_batch(model, ps, gen)
-            if skinny and B >= skinny_rows()[0]:
+            if skinny and B >= skinny_min_rows():
                 with skinny_on(model):
                     ours(engine, ps, gen)
             if fused:
@@ -236,11 +236,11 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
         for rep in range(repeats):
             p1 = _prompts(1, prompt_len, vocab, rep)[0]
             say(f"repeat {rep + 1}/{repeats}: B=1 decode")
-            # ours, peer, peer, ours: a drift in machine speed within the repeat hits both arms alike
             s1 = served_single(*served, p1, gen) if served is not None else None
+            # ours, peer, peer, ours: a drift in machine speed within the repeat hits both arms alike
             a1, b1, b2, a2 = (ours(engine, [p1], gen), peer_single(model, tokenizer, p1, gen),
                               peer_single(model, tokenizer, p1, gen), ours(engine, [p1], gen))
-            if skinny and skinny_rows()[0] <= 1:  # lone rows on the skinny kernel too: its B=1 arms, after ours
+            if skinny and skinny_min_rows() <= 1:  # lone rows on the skinny kernel too: its B=1 arms, after ours
                 with skinny_on(model):
                     k1 = ours(engine, [p1], gen)
                     k2 = ours(engine, [p1], gen)
@@ -285,7 +285,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                 ps = _prompts(B, prompt_len, vocab, 1000 * rep + B, ragged)
                 a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
                 assert a["tokens"] == b["tokens"] == B * gen, (a, b)
-                if skinny and B >= skinny_rows()[0]:  # the same engine with the skinny products, same prompts
+                if skinny and B >= skinny_min_rows():  # the same engine with the skinny products, same prompts
                     with skinny_on(model):
                         c = ours(engine, ps, gen)
                     sfx = "_ragged" if ragged else ""
@@ -351,10 +351,11 @@ def fused_on(model):
         unfuse(model)
 
 
-def skinny_rows() -> tuple[int, int]:
+def skinny_min_rows() -> int:
+    """The fewest rows ``--skinny-matmul`` takes (``MLXB_SKINNY_MIN_ROWS``; 2 unless set)."""
     from mlxb.kernels import skinny
 
-    return skinny.MIN_ROWS, skinny.MAX_ROWS
+    return skinny.MIN_ROWS
 
 
 @contextlib.contextmanager
