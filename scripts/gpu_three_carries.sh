@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The working tree (about 23 MB tracked) plus one of ../shared/gpu/prepare.sh's two 44 MB carries is over
-# the device tool's 64 MiB: re-split the MLX CUDA wheel into three ~30 MB parts after prepare.sh ran.
+# The working tree (about 26 MB tracked at stop 40) plus one of ../shared/gpu/prepare.sh's two 44 MB carries is
+# over the device tool's 64 MiB: re-split the MLX CUDA wheel into three ~30 MB parts after prepare.sh ran.
 #   bash ../shared/gpu/prepare.sh && bash scripts/gpu_three_carries.sh
 # then on the H200, one command each, while the machine stays warm:
 #   carry .whl/a:  bash .whl/a/stash.sh
 #   carry .whl/c:  bash .whl/c/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
 # Targets that start `mlxb serve` (bench load) need the server's wheels, which the device lacks; name them to
-# prepare.sh as extras (stop 39 served with these, plus fastapi and pydantic, which mlxb does not import):
+# prepare.sh as extras (stop 39 also carried fastapi and pydantic, which mlxb does not import; with them .whl/b
+# plus the tree went over 64 MiB at stop 40, so leave them out):
 #   bash ../shared/gpu/prepare.sh starlette==1.10.0 uvicorn==0.55.0 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 \
 #     click==8.5.1 prometheus-client==0.26.0 llguidance==1.9.1 jsonschema jsonschema-specifications referencing \
 #     rpds-py attrs && bash scripts/gpu_three_carries.sh
