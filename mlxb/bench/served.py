@@ -4,8 +4,9 @@ The served arm sends the in-process arm's own prompt token ids to ``/v1/completi
 greedy, ``ignore_eos``), so both decode the same tokens from the same prompt and the ratio is only
 what serving costs: HTTP, the event loop, the SSE encoding and the server's threads. Times are taken
 where the client sees them: token 0 at its first text chunk, token 1 at the second, and the last
-token at ``[DONE]`` (after the finish and usage chunks, so the served side is, if anything,
-charged a little more than the in-process one).
+token at ``[DONE]`` (after the finish and usage chunks). Each request also opens its own connection,
+as a client without keep-alive would; both make the served side, if anything, charged a little more
+than the in-process one.
 
 A token whose text is empty (part of a multi-byte character) sends no chunk; the second chunk is
 then token 2. Random-weight presets rarely do this; the count of tokens is checked from ``usage``.
