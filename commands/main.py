@@ -27,14 +27,13 @@ app.command("doctor")(doctor.doctor)
 
 
 def _maybe_reexec_with_openblas() -> None:
-    """Re-exec once with OpenBLAS preloaded on Linux (see mlxb.doctor for the measurement)."""
-    from mlxb.doctor import blas_preload_path
+    """Re-exec once with OpenBLAS preloaded on Linux and its idle threads' spin shortened (see mlxb.doctor
+    for the measurements)."""
+    from mlxb.doctor import blas_preload_path, reexec_env
 
-    lib = blas_preload_path()
-    if lib is None or os.environ.get("_MLXB_REEXEC") == "1" or lib in os.environ.get("LD_PRELOAD", ""):
+    env = reexec_env(dict(os.environ), blas_preload_path())
+    if env is None:
         return
-    env = dict(os.environ, _MLXB_REEXEC="1")
-    env["LD_PRELOAD"] = ":".join(p for p in (lib, os.environ.get("LD_PRELOAD", "")) if p)
     try:
         os.execve(sys.executable, [sys.executable, "-m", "mlxb.commands.main", *sys.argv[1:]], env)
     except OSError:

@@ -5,6 +5,15 @@ machines this project is developed on, a 512x512x1536 fp32 matmul ran at 4.1 GFL
 32.5 GFLOP/s with Debian's OpenBLAS preloaded (8x). The CLI therefore re-executes itself with
 OpenBLAS preloaded when the library is installed (``blas_preload_path``); ``MLXB_BLAS_PRELOAD=0``
 turns that off. BLAS changes numerics, so the machine key names the BLAS in use.
+
+OpenBLAS's worker threads spin for ``2**OPENBLAS_THREAD_TIMEOUT`` cycles after each call before they sleep
+(default 28, about 0.1 s). MLX runs quantized KV reads on a second CPU stream (``mlxb.kernels.split_read``),
+and on a 2-core machine those spinning workers took its core: on this AMD EPYC with OpenBLAS 0.3.21,
+synth-llama-30m at B=8 over 1k-token rows (``scripts/kv_step_cost.py``), a KV8 step took 67.2 ms at the
+default against 50.7 ms at 12 (full width 57.4 against 56.0 ms), and a lone row's step 17.7-19.8 against
+17.2-17.5 ms (4 interleaved pairs); prefill was unchanged. So the re-exec also sets
+``OPENBLAS_THREAD_TIMEOUT`` (``BLAS_THREAD_TIMEOUT``) unless it is set already. It changes when the workers
+sleep, not what they compute.
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ OPENBLAS_CANDIDATES = [
 ]
 
 
+BLAS_THREAD_TIMEOUT = "12"  # 2**12 cycles of spinning, a few microseconds (module notes)
+
+
 def blas_preload_path() -> str | None:
     """The OpenBLAS to preload on Linux, or None (not Linux, not installed, or disabled)."""
     if sys.platform != "linux" or os.environ.get("MLXB_BLAS_PRELOAD", "1") == "0":
@@ -31,6 +43,21 @@ def blas_preload_path() -> str | None:
         if os.path.exists(p):
             return p
     return None
+
+
+def reexec_env(environ: dict, lib: Optional[str]) -> Optional[dict]:
+    """The environment to re-exec the CLI with (OpenBLAS ``lib`` preloaded, its thread timeout set), or None
+    when there is nothing to change or this process is already the re-exec."""
+    if lib is None or environ.get("_MLXB_REEXEC") == "1":
+        return None
+    preloaded = lib in re.split(r"[: ]", environ.get("LD_PRELOAD", ""))
+    if preloaded and "OPENBLAS_THREAD_TIMEOUT" in environ:
+        return None
+    env = dict(environ, _MLXB_REEXEC="1")
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
+    if not preloaded:
+        env["LD_PRELOAD"] = ":".join(p for p in (lib, environ.get("LD_PRELOAD", "")) if p)
+    return env
 
 
 def loaded_blas() -> str:
@@ -177,6 +204,8 @@ def report(measure: bool = True) -> dict:
         "blas_core": blas_core(),
         "machine_key": machine_key(),
     }
+    if facts["blas"] == "openblas":  # when its idle workers sleep (module notes); unset: OpenBLAS's default, 28
+        facts["openblas_thread_timeout"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
     from mlxb.models.synth import mlxb_home
 
     facts["mlxb_home"] = str(mlxb_home())
