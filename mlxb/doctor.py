@@ -8,12 +8,11 @@ turns that off. BLAS changes numerics, so the machine key names the BLAS in use.
 
 OpenBLAS's worker threads spin for ``2**OPENBLAS_THREAD_TIMEOUT`` cycles after each call before they sleep
 (default 28, about 0.1 s). MLX runs quantized KV reads on a second CPU stream (``mlxb.kernels.split_read``),
-and on a 2-core machine those spinning workers took its core: on this AMD EPYC with OpenBLAS 0.3.21,
-synth-llama-30m at B=8 over 1k-token rows (``scripts/kv_step_cost.py``), a KV8 step took 67.2 ms at the
-default against 50.7 ms at 12 (full width 57.4 against 56.0 ms), and a lone row's step 17.7-19.8 against
-17.2-17.5 ms (4 interleaved pairs); prefill was unchanged. So the re-exec also sets
-``OPENBLAS_THREAD_TIMEOUT`` (``BLAS_THREAD_TIMEOUT``) unless it is set already. It changes when the workers
-sleep, not what they compute.
+and on a 2-core machine those spinning workers take its core at random. On an AMD EPYC with OpenBLAS 0.3.21,
+``mlxb bench kv -m synth-llama-30m --kv-bits 8 --batches 8`` (1k-token rows, two runs of each, interleaved;
+``reports/cpu/blas-timeout/``) gave KV8 over full width 0.82-1.00 at the default and 1.07-1.11 at 12, and the
+full-width arm 132-134 against 137-138 tok/s. So the re-exec also sets ``OPENBLAS_THREAD_TIMEOUT``
+(``BLAS_THREAD_TIMEOUT``) unless it is set already. It changes when the workers sleep, not what they compute.
 """
 
 from __future__ import annotations
