@@ -210,10 +210,16 @@ def report(measure: bool = True) -> dict:
     facts["mlxb_home"] = str(mlxb_home())
     if measure:
         facts["matmul_gflops_512x1536x512_fp32"] = round(matmul_gflops(), 2)
+    facts["advice"] = blas_advice(facts["blas"], dict(os.environ),
+                                  next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None))
+    return facts
+
+
+def blas_advice(blas: str, environ: dict, candidate: Optional[str]) -> list[str]:
+    """What ``mlxb doctor`` tells a machine about its BLAS (``candidate``: an installed OpenBLAS, if any)."""
     advice = []
-    if facts["blas"] == "netlib":
-        candidate = next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
-        if candidate and os.environ.get("MLXB_BLAS_PRELOAD") == "0":
+    if blas == "netlib":
+        if candidate and environ.get("MLXB_BLAS_PRELOAD") == "0":
             advice.append("OpenBLAS is installed but MLXB_BLAS_PRELOAD=0 keeps the slow netlib BLAS; unset it.")
         elif candidate:
             advice.append(f"netlib BLAS is loaded although OpenBLAS is installed; run through the `mlxb` CLI, or set LD_PRELOAD={candidate}")
@@ -222,5 +228,8 @@ def report(measure: bool = True) -> dict:
                 "MLX is using the bundled reference (netlib) BLAS, ~8x slower for matmuls here. Install OpenBLAS "
                 "(Debian/Ubuntu: apt-get install libopenblas0-pthread); the mlxb CLI then preloads it itself."
             )
-    facts["advice"] = advice
-    return facts
+    elif blas == "openblas" and "OPENBLAS_THREAD_TIMEOUT" not in environ:
+        advice.append(f"OpenBLAS is loaded with its default thread timeout: its idle workers spin and take the core of "
+                      f"MLX's second CPU stream (quantized KV reads). Run through the `mlxb` CLI, or set "
+                      f"OPENBLAS_THREAD_TIMEOUT={BLAS_THREAD_TIMEOUT} before the process starts.")
+    return advice

@@ -42,3 +42,18 @@ def test_cli_runs_with_the_timeout_it_sets():
     facts = json.loads(out[out.index("{"):])
     assert facts["blas"] == "openblas"
     assert facts["openblas_thread_timeout"] == BLAS_THREAD_TIMEOUT
+
+
+def test_doctor_advises_the_timeout_only_where_openblas_runs_without_one():
+    from mlxb.doctor import blas_advice
+
+    [tip] = blas_advice("openblas", {}, LIB)
+    assert f"OPENBLAS_THREAD_TIMEOUT={BLAS_THREAD_TIMEOUT}" in tip
+    assert blas_advice("openblas", {"OPENBLAS_THREAD_TIMEOUT": "28"}, LIB) == []  # the user's choice stands
+    assert blas_advice("accelerate", {}, None) == []
+    [tip] = blas_advice("netlib", {}, LIB)
+    assert "LD_PRELOAD=" + LIB in tip
+    [tip] = blas_advice("netlib", {"MLXB_BLAS_PRELOAD": "0"}, LIB)
+    assert "MLXB_BLAS_PRELOAD=0" in tip
+    [tip] = blas_advice("netlib", {}, None)
+    assert "apt-get install libopenblas0-pthread" in tip
