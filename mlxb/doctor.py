@@ -38,10 +38,12 @@ def blas_preload_path() -> str | None:
     """The OpenBLAS to preload on Linux, or None (not Linux, not installed, or disabled)."""
     if sys.platform != "linux" or os.environ.get("MLXB_BLAS_PRELOAD", "1") == "0":
         return None
-    for p in OPENBLAS_CANDIDATES:
-        if os.path.exists(p):
-            return p
-    return None
+    return installed_openblas()
+
+
+def installed_openblas() -> str | None:
+    """The first of ``OPENBLAS_CANDIDATES`` present on this machine, or None."""
+    return next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None)
 
 
 def reexec_env(environ: dict, lib: Optional[str]) -> Optional[dict]:
@@ -210,8 +212,7 @@ def report(measure: bool = True) -> dict:
     facts["mlxb_home"] = str(mlxb_home())
     if measure:
         facts["matmul_gflops_512x1536x512_fp32"] = round(matmul_gflops(), 2)
-    facts["advice"] = blas_advice(facts["blas"], dict(os.environ),
-                                  next((p for p in OPENBLAS_CANDIDATES if os.path.exists(p)), None))
+    facts["advice"] = blas_advice(facts["blas"], dict(os.environ), installed_openblas())
     return facts
 
 
