@@ -42,6 +42,9 @@ def _maybe_reexec_with_openblas() -> None:
 
 def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # keep tokenizer-loading chatter off the CLI
+    from mlxb.doctor import graph_check_env
+
+    graph_check_env(os.environ)  # before any GPU operation (see there)
     _maybe_reexec_with_openblas()
     app(prog_name="mlxb")
 

@@ -61,6 +61,25 @@ def reexec_env(environ: dict, lib: Optional[str]) -> Optional[dict]:
     return env
 
 
+GRAPH_CHECK_ENV = "MLX_ENABLE_CACHE_THRASHING_CHECK"
+_GRAPH_CHECK_MARK = "_MLXB_GRAPH_CHECK"  # set with it: the value is mlxb's default, not the user's
+
+
+def graph_check_env(environ) -> str:
+    """Turn MLX's CUDA graph-cache thrashing check off in ``environ`` unless the user set it; returns what is in
+    effect. MLX keeps executable CUDA graphs in an LRU cache keyed by topology (``MLX_CUDA_GRAPH_CACHE_SIZE``);
+    with the check on, once a process's lifetime misses pass twice the capacity every further miss throws on the
+    evaluating thread and leaves that stream's encoder unusable (scripts/graph_cache_probe.py). A server's batch
+    sizes, verify widths and prompt lengths make new topologies for as long as it runs, so with the check off a
+    miss costs one graph instantiation, never the engine. MLX reads the variable when a stream's encoder is made,
+    so this runs before the first GPU operation (the CLI's start; ``build_gateway`` for library users). Any
+    backend: the variable means nothing off CUDA."""
+    if GRAPH_CHECK_ENV in environ and environ.get(_GRAPH_CHECK_MARK) != "1":
+        return f"{GRAPH_CHECK_ENV}={environ[GRAPH_CHECK_ENV]} (from the environment)"
+    environ[GRAPH_CHECK_ENV], environ[_GRAPH_CHECK_MARK] = "0", "1"
+    return f"{GRAPH_CHECK_ENV}=0"
+
+
 def loaded_blas() -> str:
     """Name of the BLAS library mapped into this process (after mlx is imported)."""
     if sys.platform == "darwin":

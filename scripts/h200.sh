@@ -329,4 +329,15 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
       done
       tar czf "$OUT/tp-serve-results.tgz" reports/results
     fi ;;
+  graphcache)  # MLX's CUDA graph-cache thrashing fuse: does it exist, does a served workload reach it, does mlxb's setting stop it
+    echo "libmlx strings: $(grep -c 'Cache thrashing' /tmp/site/mlx/lib/libmlx.so 2>/dev/null) match(es)"
+    python3 scripts/graph_cache_probe.py --out "$OUT/graph-cache-probe.json" 2>&1 | grep -v Warning
+    m=${MODEL:-synth-llama-1b}
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    for v in 1 mlxb; do
+      echo "check=$v cache=${CAP:-100}"
+      if [ $v = 1 ]; then export MLX_ENABLE_CACHE_THRASHING_CHECK=1; else unset MLX_ENABLE_CACHE_THRASHING_CHECK; fi
+      MLX_CUDA_GRAPH_CACHE_SIZE=${CAP:-100} timeout ${LIMIT:-200} python3 scripts/graph_cache_stress.py 8410 ${REQ:-96} \
+        --model /var/tmp/$m --spec lookup --spec-max-batch 8 2>&1 | grep -v Warning | tee "$OUT/graph-cache-stress-check$v.txt"
+    done ;;
 esac

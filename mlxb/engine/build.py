@@ -82,6 +82,20 @@ def choose_attention_kernels(cudnn: Optional[bool] = None) -> str:
     return f"{CUDNN_SDPA_ENV}={os.environ[CUDNN_SDPA_ENV]}"
 
 
+def cuda_graph_env() -> str:
+    """What MLX's CUDA graph-cache check is set to here (``mlxb.doctor.graph_check_env``, which sets it);
+    "n/a (not CUDA)" elsewhere."""
+    import os
+
+    import mlx.core as mx
+
+    from mlxb.doctor import graph_check_env
+
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return "n/a (not CUDA)"
+    return graph_check_env(os.environ)
+
+
 def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int, draft_model: Optional[str],
                dtype: Optional[str], max_batch: int = 1, adaptive: bool = True, pipeline: str = "off"):
     """--spec / --draft-model as a SpecConfig; a draft model is loaded and checked against the target."""
@@ -115,6 +129,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
                   fuse_projections: bool = False, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
+    graphs = cuda_graph_env()  # before the first GPU operation (the model's load)
     link = tp_link(tp, batch=batch) if tp > 1 else None
     scheme = None
     if kv_bits is not None:
@@ -203,6 +218,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     gw = Gateway(engine, tok, model_name=spec_.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
     gw.spec, gw.path = spec_, path
     engine.attention_kernels = attention
+    engine.cuda_graphs = graphs
     freeze_heap()
     return gw
 

@@ -105,6 +105,7 @@ class Engine:
         self.last_beat = time.monotonic()
         self.warmup: Optional[dict] = None  # what mlxb.engine.warmup ran before start, if it ran
         self.attention_kernels = "default"  # set by build_gateway (mlxb.engine.build.choose_attention_kernels)
+        self.cuda_graphs = "default"  # set by build_gateway (mlxb.doctor.graph_check_env)
         self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
         self.trace = IterationTrace()  # MLXB_TRACE=FILE: one JSON line per iteration (diagnostics)
         self.idle_poll_s = 0.05  # how long an idle engine waits on its inbox per loop

@@ -22,6 +22,7 @@ def engine_stats(eng) -> dict:
         "kv_budget_bytes": s.kv_budget,
         **eng.counters,
         "attention_kernels": eng.attention_kernels,
+        "cuda_graph_check": eng.cuda_graphs,
         **kv_stats(eng.kv_scheme),
         "speculation": spec_stats(eng),
         "lora": r.lora.stats() if r.lora is not None else None,
