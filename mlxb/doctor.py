@@ -226,6 +226,8 @@ def report(measure: bool = True) -> dict:
     }
     if facts["blas"] == "openblas":  # when its idle workers sleep (module notes); unset: OpenBLAS's default, 28
         facts["openblas_thread_timeout"] = os.environ.get("OPENBLAS_THREAD_TIMEOUT")
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        facts["cuda_graph_check"] = graph_check_env(os.environ)  # what this process runs with (the CLI set it)
     from mlxb.models.synth import mlxb_home
 
     facts["mlxb_home"] = str(mlxb_home())
