@@ -340,4 +340,12 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
       MLX_CUDA_GRAPH_CACHE_SIZE=${CAP:-100} timeout ${LIMIT:-200} python3 scripts/graph_cache_stress.py 8410 ${REQ:-96} \
         --model /var/tmp/$m --spec lookup --spec-max-batch 8 2>&1 | grep -v Warning | tee "$OUT/graph-cache-stress-check$v.txt"
     done ;;
+  graphmix)  # mixed step shapes against each shape alone, at MLX's graph-cache size and a larger one (separate processes, alternating)
+    for m in ${MODELS:-synth-llama-8b}; do
+      [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+      for pass in 1 2; do for c in 400 4000; do
+        MLX_CUDA_GRAPH_CACHE_SIZE=$c python3 scripts/graph_mix_probe.py /var/tmp/$m --repeats ${REPEATS:-20} \
+          --out "$OUT/graph-mix-$m-cache$c-pass$pass.json" 2>&1 | grep -v Warning
+      done; done
+    done ;;
 esac
