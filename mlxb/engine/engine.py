@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlxb.cache.protocol import kv_projection, layer_kinds
 from mlxb.engine.calls import EngineCalls
 from mlxb.engine.delivery import Delivery, Live
+from mlxb.engine.device_health import DeviceHealth
 from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
@@ -106,6 +107,7 @@ class Engine:
         self.warmup: Optional[dict] = None  # what mlxb.engine.warmup ran before start, if it ran
         self.attention_kernels = "default"  # set by build_gateway (mlxb.engine.build.choose_attention_kernels)
         self.cuda_graphs = "default"  # set by build_gateway (mlxb.doctor.graph_check_env)
+        self.device_health = DeviceHealth()  # forwards that raise, for /health (mlxb.engine.device_health)
         self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
         self.trace = IterationTrace()  # MLXB_TRACE=FILE: one JSON line per iteration (diagnostics)
         self.idle_poll_s = 0.05  # how long an idle engine waits on its inbox per loop
@@ -376,7 +378,9 @@ class Engine:
                     s.on_finished(rid, RequestStatus.FINISHED_ERROR)
                     self.delivery.finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
                 self.reuse.after_device_error(e)
+                self.device_health.failed(e)
                 return
+            self.device_health.ok()
             self.counters["steps"] += 1
             if len(r.rows) > 1:
                 self.counters["batched_steps"] += 1

@@ -23,6 +23,7 @@ def engine_stats(eng) -> dict:
         **eng.counters,
         "attention_kernels": eng.attention_kernels,
         "cuda_graph_check": eng.cuda_graphs,
+        "failed_forwards": eng.device_health.failures,
         **kv_stats(eng.kv_scheme),
         "speculation": spec_stats(eng),
         "lora": r.lora.stats() if r.lora is not None else None,

@@ -28,6 +28,8 @@ def prefill_failed(eng, failed: list, e: Exception) -> None:
     iteration that fail after it (a follower whose leader was requeued) go back too. Any other
     error fails only these rows."""
     oom = is_out_of_memory(e) or eng._requeued_this_iteration
+    if not oom:  # out of memory is the rows' size against what is free, handled here by requeueing
+        eng.device_health.failed(e)
     if not eng._requeued_this_iteration:
         eng.reuse.after_device_error(e)  # evicts the RAM tier on memory errors, clears MLX's cache
     for chunk, live in failed:

@@ -337,7 +337,10 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
 
     async def health(request: Request):
         if gw.engine.alive:
-            return JSONResponse({"status": "ok"})
+            why = gw.engine.device_health.degraded()
+            if why is None:
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "degraded", "reason": why}, status_code=503)
         reason = repr(gw.engine.fatal) if gw.engine.fatal else "engine thread not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 

@@ -164,3 +164,35 @@ def test_health_503_when_engine_thread_dies():
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     finally:
         srv.stop()
+
+
+def test_health_degraded_while_forwards_fail_and_back_after():
+    """Per-row containment keeps the engine thread alive when forwards raise; /health must still say so
+    (mlxb.engine.device_health), and recover once forwards succeed again."""
+    from mlxb.engine.device_health import DeviceHealth
+
+    srv = LiveServer(batch=2)
+    runner = srv.gw.engine.runner
+    real = runner.decode_step
+    srv.gw.engine.device_health = DeviceHealth(window=8, min_failures=4)  # not the warm-up's 30 good forwards
+
+    def broken():
+        raise RuntimeError("planted device failure")
+
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/health").status_code == 200
+            runner.decode_step = broken
+            for _ in range(4):
+                r = c.post(CHAT, json={"messages": M, "max_tokens": 4})
+                assert r.status_code >= 500
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["status"] == "degraded"
+            assert "planted device failure" in h.json()["reason"]
+            assert c.get("/stats").json()["engine"]["failed_forwards"] >= 4
+            runner.decode_step = real
+            r = c.post(CHAT, json={"messages": M, "max_tokens": 12})
+            assert r.status_code == 200
+            assert c.get("/health").status_code == 200
+    finally:
+        srv.stop()
