@@ -60,6 +60,7 @@ def run_serial(engine, live) -> None:
                     engine.delivery.finish(live, RequestStatus.FINISHED_ABORTED)
                     break
                 engine.counters["steps"] += 1
+                engine.device_health.ok()
                 em = engine.runner._emit(row, int(tok), logprobs[None] if _wants_vec(engine, req) else None)
                 status = engine.delivery.deliver(em)
                 engine.delivery.flush()
@@ -69,6 +70,7 @@ def run_serial(engine, live) -> None:
                 engine.reuse.put_finished(req.prompt_ids + row.tokens, cache, req.num_prompt_tokens + len(row.tokens),
                                           req.adapter)
         except Exception as e:
+            engine.device_health.failed(e)
             engine.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"generation failed: {e}"))
     engine._live.pop(req.request_id, None)  # a consumer-raised eviction ends the row here too
 
