@@ -246,3 +246,24 @@ def test_lookup_matches_the_reference_search_and_the_history_buffer_follows_the_
         if step % 7 == 0:
             assert st.history(tokens).tolist() == list(range(5)) + tokens
     assert st.history([1, 2]).tolist() == [0, 1, 2, 3, 4, 1, 2]  # fewer tokens: another row's list, rebuilt
+
+
+def test_the_draft_length_shrinks_only_where_a_wider_verify_costs_more(monkeypatch):
+    """After a partly kept block the next draft is one longer than what held, where a verify step costs
+    more than a plain one (compute-bound, or synchronous where plain steps pipeline); where it costs about one plain step (an H200 at B=8) every
+    position is free and the row keeps drafting the longest."""
+    from mlxb.engine import spec_control
+    from mlxb.engine.spec import RowSpec
+
+    default = RowSpec(4, 4, alpha=0.9)
+    default.adapt(4, 1, 1.0)
+    assert spec_control.CHEAP_VERIFY == 0 and default.k == 2  # off unless MLXB_SPEC_CHEAP_VERIFY is set
+    CHEAP_VERIFY = 1.5
+    monkeypatch.setattr(spec_control, "CHEAP_VERIFY", CHEAP_VERIFY)
+    cpu, gpu = RowSpec(4, 4, alpha=0.9), RowSpec(4, 4, alpha=0.9)
+    cpu.adapt(4, 1, 2.0)  # alpha falls to 0.64: a verify step should still give 2.48 tokens, no pause
+    gpu.adapt(4, 1, 1.0)
+    assert cpu.k == 2 and gpu.k == 4
+    edge = RowSpec(4, 4, alpha=0.9)
+    edge.adapt(4, 1, CHEAP_VERIFY + 0.01)
+    assert edge.k == 2
