@@ -12,29 +12,20 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import random
-import subprocess
 import sys
 import time
 
 import httpx
 
+import served  # scripts/served.py
+
 
 def main() -> int:
     port, n, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     model = args[args.index("--model") + 1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = served.start(port, args)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-
         def one(i: int):
             rng = random.Random(i)
             body = {"model": model, "temperature": 0, "max_tokens": rng.randint(4, 64),
@@ -59,12 +50,7 @@ def main() -> int:
                           "verify_steps": sp.get("verify_steps"), "drafted": sp.get("drafted"), "accepted": sp.get("accepted")}))
         return 0 if ok == n and health.status_code == 200 else 1
     finally:
-        proc.terminate()
-        try:
-            out = proc.communicate(timeout=20)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out = proc.communicate()[0]
+        out = served.stop(proc)
         tail = [ln for ln in out.splitlines() if "thrash" in ln.lower() or "Error" in ln][-5:]
         if tail:
             print("server log:", *tail, sep="\n  ")

@@ -11,28 +11,19 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import subprocess
 import sys
-import time
 
 import httpx
 from openai import OpenAI
+
+import served  # scripts/served.py
 
 
 def main() -> int:
     port, args = int(sys.argv[1]), sys.argv[2:]
     model = args[args.index("--model") + 1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = served.start(port, args, wait_s=180)
     try:
-        for _ in range(180):
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         system = "You are a careful agent. " * 40
 
@@ -65,8 +56,7 @@ def main() -> int:
         print("health", health)
         return 0 if health.get("status") == "ok" else 1
     finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
+        served.stop(proc)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ counted: only exceptions out of a forward are.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from typing import Optional
 
@@ -20,25 +19,24 @@ from typing import Optional
 class DeviceHealth:
     def __init__(self, window: int = 32, min_failures: int = 4):
         self.window, self.min_failures = window, min_failures
-        self._outcomes: deque = deque(maxlen=window)  # True: a forward that completed
-        self._lock = threading.Lock()  # the engine thread records, the server's loop reads
+        # True: a forward that completed. Only the engine thread appends (atomic on a deque); readers copy it,
+        # so the decode step pays one append and no lock
+        self._outcomes: deque = deque(maxlen=window)
         self.failures = 0  # over the engine's life (in /stats)
         self.last_error: Optional[str] = None
 
     def ok(self) -> None:
-        with self._lock:
-            self._outcomes.append(True)
+        self._outcomes.append(True)
 
     def failed(self, error: BaseException) -> None:
-        with self._lock:
-            self._outcomes.append(False)
-            self.failures += 1
-            self.last_error = f"{type(error).__name__}: {str(error)[:300]}"
+        self.last_error = f"{type(error).__name__}: {str(error)[:300]}"
+        self.failures += 1
+        self._outcomes.append(False)
 
     def degraded(self) -> Optional[str]:
         """Why the device counts as failing now, or None."""
-        with self._lock:
-            bad = sum(1 for o in self._outcomes if not o)
-            if bad >= self.min_failures and 2 * bad >= len(self._outcomes):
-                return f"{bad} of the last {len(self._outcomes)} forwards failed; last: {self.last_error}"
-            return None
+        seen = list(self._outcomes)
+        bad = seen.count(False)
+        if bad >= self.min_failures and 2 * bad >= len(seen):
+            return f"{bad} of the last {len(seen)} forwards failed; last: {self.last_error}"
+        return None

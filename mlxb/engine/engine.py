@@ -95,8 +95,7 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._calls = EngineCalls(self.device_lock)  # work handed to the engine thread (prompt scoring)
         self._serial: deque[Live] = deque()
-        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0,
-                         "requeued": 0}
+        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0, "requeued": 0}
         self._requeued_this_iteration = False
         self.delivery = Delivery(self.eos_ids, self.counters)
         self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token
@@ -105,8 +104,7 @@ class Engine:
         self.fatal: Optional[BaseException] = None
         self.last_beat = time.monotonic()
         self.warmup: Optional[dict] = None  # what mlxb.engine.warmup ran before start, if it ran
-        self.attention_kernels = "default"  # set by build_gateway (mlxb.engine.build.choose_attention_kernels)
-        self.cuda_graphs = "default"  # set by build_gateway (mlxb.doctor.graph_check_env)
+        self.attention_kernels = self.cuda_graphs = "default"  # set by build_gateway
         self.device_health = DeviceHealth()  # forwards that raise, for /health (mlxb.engine.device_health)
         self.last_forward: list[str] = []  # capture only: request ids of the last decode forward
         self.trace = IterationTrace()  # MLXB_TRACE=FILE: one JSON line per iteration (diagnostics)
@@ -116,9 +114,7 @@ class Engine:
     # ---- caller side -----------------------------------------------------------------------
     @property
     def mode(self) -> str:
-        if self.max_batch <= 1:
-            return "off"
-        return "batch" if self.batchable else "serial"
+        return "off" if self.max_batch <= 1 else "batch" if self.batchable else "serial"
 
     def start(self) -> "Engine":
         self._thread.start()
