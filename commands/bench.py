@@ -55,7 +55,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
             from mlxb.models.adapters import ensure_adapters
 
             c.adapter_folders = ensure_adapters(str(path), None, f"bench:{spec.name}",
-                                                [{"seed": 100 + i, "rank": 8, "num_layers": -1} for i in range(c.adapters)])
+                                                [{"seed": 100 + i, "rank": c.adapter_rank, "num_layers": -1} for i in range(c.adapters)])
             lora[c.name] = ["--adapters", ",".join(f"a{i}={f}" for i, f in enumerate(c.adapter_folders))]
         groups.setdefault(tuple(_resolved_args(c.server_args, dtype)) + tuple(lora.get(c.name, [])), []).append(c.name)
     if base_url and any(groups.keys() - {()}):

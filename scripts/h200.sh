@@ -348,12 +348,19 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
           --out "$OUT/graph-mix-$m-cache$c-pass$pass.json" 2>&1 | grep -v Warning
       done; done
     done ;;
+  loraserved)  # issue 16: four rank-16 adapters mixed across requests, mlxb serve vs mlx_lm.server (which reloads), 8 and 32 clients
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    mkdir -p /tmp/bench && cd /tmp/bench && ln -sfn "$OLDPWD/matrices" matrices
+    t0=$(date +%s); timeout ${LIMIT:-540} python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml \
+      -m /var/tmp/$m --peer mlx-lm --batch 32 2>&1 | grep -v Warning | tail -16; echo "features rc=$? in $(( $(date +%s) - t0 ))s"
+    tar czf "$OUT/lora-served-results.tgz" reports/results ;;
   speccheap)  # issue 15: bench spec with the draft length kept at the longest where a verify step is cheap
     # (MLXB_SPEC_CHEAP_VERIFY=1.5) against the shrink (0, the default), separate processes, alternating
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     export MLX_CUDA_USE_CUDNN_SDPA=0
-    for pass in 1 2; do for v in 0 1.5; do
+    for pass in ${PASSES:-1 2}; do for v in 0 1.5; do
       echo "== pass $pass MLXB_SPEC_CHEAP_VERIFY=$v"
       MLXB_SPEC_CHEAP_VERIFY=$v timeout ${LIMIT:-250} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --spec lookup \
         --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-8} --spec-max-batch 8 --context 512 --gen ${GEN:-96} \

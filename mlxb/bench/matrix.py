@@ -15,7 +15,7 @@ DATASETS = {"random": {"input_len"}, "shared-prefix": {"system_len", "question_l
 GATES = {"top_logprobs_5", "json_schema_valid"}
 CELL_KEYS = {"name", "server_args", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
              "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups",
-             "turn_len", "turns", "adapters"}
+             "turn_len", "turns", "adapters", "adapter_rank"}
 DEFAULT_KEYS = {"concurrency", "requests_per_slot", "output_len", "repeats"}
 
 
@@ -34,6 +34,7 @@ class Cell:
     requests: Optional[int] = None  # fixed request count per level (bench load); else concurrency x per-slot
     server_args: list = field(default_factory=list)  # flags every stack starts with for this cell
     adapters: int = 0  # LoRA: random-weight adapters built for the model; requests cycle through them by folder
+    adapter_rank: int = 8  # their LoRA rank (every linear layer of every block)
     adapter_folders: list = field(default_factory=list)  # set when the cell runs (mlxb.models.adapters)
 
 
@@ -113,10 +114,13 @@ def parse(path: Path | str, text: Optional[str] = None) -> Matrix:
         adapters = raw.get("adapters", 0)
         if not isinstance(adapters, int) or not 0 <= adapters <= 64:
             raise ValidationError(f"{where}: adapters must be an integer from 0 to 64 (LoRA adapters to mix)")
+        rank = raw.get("adapter_rank", 8)
+        if not isinstance(rank, int) or not 1 <= rank <= 256 or ("adapter_rank" in raw and not adapters):
+            raise ValidationError(f"{where}: adapter_rank must be an integer from 1 to 256, with adapters set")
         cells.append(Cell(name, ds, lengths, raw.get("description", ""), params, list(raw.get("needs", [])), gates,
                           conc, int(raw.get("requests_per_slot", d.get("requests_per_slot", 2))),
                           int(raw.get("output_len", d.get("output_len", 64))), server_args=list(args),
-                          adapters=adapters))
+                          adapters=adapters, adapter_rank=rank))
     if not cells:
         raise ValidationError(f"{path}: no [[cell]] entries")
     return Matrix(str(path), cells, int(d.get("repeats", 2)))

@@ -60,7 +60,9 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
     assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json",
                                          "kv4", "spec", "lora"]
-    assert [c.adapters for c in m.cells if c.adapters] == [4]
+    assert [(c.adapters, c.adapter_rank) for c in m.cells if c.adapters] == [(4, 8)]
+    h = parse("matrices/lora-h200.toml")
+    assert [(c.name, c.adapters, c.adapter_rank) for c in h.cells] == [("lora16", 4, 16)]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
     assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"],
                                                                  ["--draft-model", "tiny-llama", "--num-draft-tokens", "4"]]
@@ -76,6 +78,8 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
         ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nserver_args = ["--batch", "1"]\n',
          "server_args --batch not allowed"),
         ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nadapters = -1\n', "adapters must be an integer"),
+        ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nadapters = 2\nadapter_rank = 0\n', "adapter_rank must"),
+        ('[[cell]]\nname = "a"\ndataset = "random"\ninput_len = 8\nadapter_rank = 16\n', "with adapters set"),
     ]
     for text, msg in cases:
         bad.write_text(text)
