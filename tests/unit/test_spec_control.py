@@ -255,10 +255,11 @@ def test_the_draft_length_shrinks_only_where_a_wider_verify_costs_more(monkeypat
     from mlxb.engine import spec_control
     from mlxb.engine.spec import RowSpec
 
-    default = RowSpec(4, 4, alpha=0.9)
-    default.adapt(4, 1, 1.0)
-    assert spec_control.CHEAP_VERIFY == 0 and default.k == 2  # off unless MLXB_SPEC_CHEAP_VERIFY is set
-    CHEAP_VERIFY = 1.5
+    monkeypatch.setattr(spec_control, "CHEAP_VERIFY", 0.0)  # MLXB_SPEC_CHEAP_VERIFY=0: always the shrink
+    off = RowSpec(4, 4, alpha=0.9)
+    off.adapt(4, 1, 1.0)
+    assert off.k == 2
+    CHEAP_VERIFY = 1.5  # the default
     monkeypatch.setattr(spec_control, "CHEAP_VERIFY", CHEAP_VERIFY)
     cpu, gpu = RowSpec(4, 4, alpha=0.9), RowSpec(4, 4, alpha=0.9)
     cpu.adapt(4, 1, 2.0)  # alpha falls to 0.64: a verify step should still give 2.48 tokens, no pause
