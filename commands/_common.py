@@ -142,3 +142,25 @@ def apply_kv_attention(mode: str) -> None:
         set_kv_attention(mode)
     except ValueError as e:
         raise ValidationError(str(e), param="kv_attention") from None
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """SIGTERM (``kill``, ``timeout``) raises SystemExit in the main thread while the block runs, so its
+    ``finally`` clauses stop the servers it started and keep what it measured; Python's default would end the
+    process on the spot and leave them running."""
+    import signal
+    import sys
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: leave the process's handler alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

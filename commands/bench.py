@@ -9,7 +9,7 @@ from typing import Optional
 
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, progress, status
+from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, progress, sigterm_as_exit, status
 
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
@@ -62,7 +62,12 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
         raise ValidationError("cells with server_args (" + ", ".join(c.name for c in chosen if c.server_args)
                               + ") need servers this command starts; leave out --base-url or those cells")
     req_rows, summ_rows = [], []
-    with progress() as prog:
+    lab, root = labels(spec.name, dtype or spec.dtype, bench_name), Path("reports/results")
+
+    def keep(rq, sm):  # every finished phase on disk: a run cut short (timeout, kill) keeps what it measured
+        write_run(root, lab, req_rows + rq, summ_rows + sm, complete=False)
+
+    with progress() as prog, sigterm_as_exit():
         task = prog.add_task("load", total=None)
         for extra, names in groups.items():
             started, targets = [], []
@@ -81,14 +86,14 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                     targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
                 rq, sm = run_matrix(
                     matrix, targets, tok, vocab, scale=scale, cells=names,
-                    progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total))
+                    progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total),
+                    on_phase=keep)
                 req_rows += rq
                 summ_rows += sm
             finally:
                 for srv in started:
                     srv.stop()
-    lab = labels(spec.name, dtype or spec.dtype, bench_name)
-    out = write_run(Path("reports/results"), lab, req_rows, summ_rows)
+    out = write_run(root, lab, req_rows, summ_rows)
     _print_summary(summ_rows)
     console.print(f"wrote {out}/summary.parquet, requests.parquet, summary.json")
     return summ_rows
@@ -235,7 +240,7 @@ def restart(
     from mlxb.bench.store import labels, write_run
 
     spec, path, tok, vocab = _tokenizer_and_path(model, dtype)
-    with progress() as prog:
+    with progress() as prog, sigterm_as_exit():  # a kill stops the servers it started
         task = prog.add_task("restart", total=repeats)
         req_rows, summ = run(str(path), tok, vocab, prompt_len=prompt_len, output_len=output_len, repeats=repeats,
                              batch=batch, progress=lambda d, done, total: prog.update(task, completed=done))

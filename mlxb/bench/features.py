@@ -94,8 +94,10 @@ async def _probe(t: Target, ds: L.Dataset, cell: Optional[Cell] = None) -> Optio
 
 def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, scale: float = 1.0,
                ignore_eos: bool = True, seed: int = 0, progress: Optional[Progress] = None,
-               cells: Optional[list[str]] = None) -> tuple[list[dict], list[dict]]:
-    """Returns (request rows, summary rows)."""
+               cells: Optional[list[str]] = None,
+               on_phase: Optional[Callable[[list, list], None]] = None) -> tuple[list[dict], list[dict]]:
+    """Returns (request rows, summary rows). ``on_phase`` gets both lists so far after every (cell, level,
+    repeat, stack) phase, so a caller can keep what finished if the run is cut short."""
     chosen = [c for c in matrix.cells if not cells or c.name in cells]
     total = sum(len(c.concurrency) for c in chosen) * matrix.repeats * len(targets)
     done = 0
@@ -135,6 +137,8 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                                           **{f"gate_{g}": v for g, v in gates.items()}})
                         req_rows += [{**base, **r.to_row()} for r in res]
                     done += 1
+                    if on_phase:
+                        on_phase(req_rows, summ_rows)
                     if progress:
                         progress(f"{cell.name} c={conc} rep {rep + 1} {t.stack}", done, total)
     return req_rows, summ_rows

@@ -112,7 +112,8 @@ def render(summ: pd.DataFrame, reqs: pd.DataFrame, out: Path, title: str = "mlxb
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("mlxb.bench", "templates"), autoescape=out.suffix == ".html")
     env.filters["f"] = lambda v, n=3: "-" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.{n}f}"
-    labels = summ[[k for k in LABEL_KEYS if k in summ]].drop_duplicates().to_dict("records")
+    # "complete" False: a run cut short whose finished phases were kept (``write_run``)
+    labels = summ[[k for k in (*LABEL_KEYS, "complete") if k in summ]].drop_duplicates().to_dict("records")
     unsupported = summ[summ["status"] == "unsupported"][["cell", "stack", "reason"]].drop_duplicates()
     cols = [c for c in ("cell", "stack", "concurrency", "repeat", "status", "output_throughput", "p50_ttft",
                         "p95_ttft", "p50_tpot", "p95_itl", "failed") if c in summ]

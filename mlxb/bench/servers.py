@@ -91,15 +91,18 @@ def start(stack: str, model_path: str, *, batch: int = 8, prefill_step: int = 20
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     srv = Server(stack, model_path, port, proc, log.name, cmd[3:])
     deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{stack} server exited with {proc.returncode} before it was ready:\n{srv.log_tail()}")
-        try:
-            r = httpx.get(srv.base_url + "/models", timeout=2)
-            if r.status_code == 200:
-                return srv
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    srv.stop()
-    raise RuntimeError(f"{stack} server not ready after {ready_timeout:.0f}s:\n{srv.log_tail()}")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{stack} server exited with {proc.returncode} before it was ready:\n{srv.log_tail()}")
+            try:
+                r = httpx.get(srv.base_url + "/models", timeout=2)
+                if r.status_code == 200:
+                    return srv
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{stack} server not ready after {ready_timeout:.0f}s:\n{srv.log_tail()}")
+    except BaseException:  # not ready, or the caller interrupted (Ctrl-C, SIGTERM) while it loaded: no orphan
+        srv.stop()
+        raise

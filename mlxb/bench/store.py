@@ -61,17 +61,19 @@ def labels(model: str, dtype: Optional[str], bench: str) -> dict:
     }
 
 
-def write_run(root: Path, lab: dict, requests: list[dict], summaries: list[dict]) -> Path:
-    """Write ``requests.parquet``, ``summary.parquet`` and ``summary.json`` under ``root/<run_id>/``."""
+def write_run(root: Path, lab: dict, requests: list[dict], summaries: list[dict], complete: bool = True) -> Path:
+    """Write ``requests.parquet``, ``summary.parquet`` and ``summary.json`` under ``root/<run_id>/``
+    (``complete`` False: the phases so far of a run still going, rewritten as it goes; summary.json says so)."""
     out = Path(root) / lab["run_id"]
     out.mkdir(parents=True, exist_ok=True)
     req = pd.DataFrame([{**lab, **r} for r in requests])
-    summ = pd.DataFrame([{**lab, **s} for s in summaries])
+    summ = pd.DataFrame([{**lab, "complete": complete, **s} for s in summaries])
     if "itls" in req:
         req["itls"] = req["itls"].apply(lambda x: json.dumps(x))  # keep the column a plain string
     req.to_parquet(out / "requests.parquet", engine="pyarrow", index=False)
     summ.to_parquet(out / "summary.parquet", engine="pyarrow", index=False)
-    (out / "summary.json").write_text(json.dumps({"labels": lab, "summary": summaries}, indent=2, default=str))
+    (out / "summary.json").write_text(json.dumps({"labels": lab, "complete": complete, "summary": summaries},
+                                                 indent=2, default=str))
     return out
 
 

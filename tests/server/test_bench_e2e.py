@@ -77,3 +77,56 @@ def test_served_arm_times_the_same_tokens_as_the_in_process_arm(live):
     for name in ("b1_served_decode_tps", "b1_served_decode_from1_tps", "b1_served_request_per_s"):
         assert got[name]["peer_name"] == "mlxb in-process" and got[name]["ours"] > 0 and got[name]["peer"] > 0
     assert got["b1_decode_tps"]["peer_name"] == "mlx_lm.stream_generate" and res["config"]["served"] is True
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_a_killed_bench_keeps_finished_phases_and_stops_its_servers(tmp_path):
+    """SIGTERM (what `timeout` and `kill` send) in the middle of `mlxb bench load`: the server it started is
+    stopped, and the phases that finished are on disk, marked incomplete (Python's default would leave both
+    the server running and nothing written)."""
+    import json
+    import signal
+    import time
+
+    import pytest
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to find the bench's server process")
+    env = dict(os.environ, COLUMNS="200")
+    p = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "bench", "load", "-m", "tiny-llama",
+                          "--concurrency", "1,2,4,8", "--requests", "4", "--input-len", "32", "--output-len", "64",
+                          "--repeats", "4"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "reports" / "results").glob("*/summary.json")):
+            assert p.poll() is None, p.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no phase finished in 240 s"
+            time.sleep(0.2)
+        servers = _children(p.pid)
+        assert servers, "the bench should have a server child while it runs"
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert rc == 128 + signal.SIGTERM
+    for pid in servers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    (run,) = list((tmp_path / "reports" / "results").iterdir())
+    got = json.loads((run / "summary.json").read_text())
+    assert got["complete"] is False and 1 <= len(got["summary"]) < 16  # 4 levels x 4 repeats when complete
+    s = pd.read_parquet(run / "summary.parquet")
+    assert (~s["complete"]).all() and (s["status"] == "ok").all() and len(s) == len(got["summary"])
