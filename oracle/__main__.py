@@ -13,6 +13,7 @@ import json
 import sys
 
 from mlxb.models import load_model
+from mlxb.oracle.grouped import correct_masks
 from mlxb.oracle.reference import run_case
 from mlxb.parity.protocol import Case
 
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> int:
             if mkey not in models or case.lora:  # adapters change the model: a fresh one per lora case
                 models.clear()  # one model resident at a time
                 models[mkey] = load_model(*src)[:2]
+                correct_masks(models[mkey][0])  # mlx-lm's Gemma 2 under a padded batch (grouped.py)
                 if case.lora:
                     from mlxb.models.adapters import ensure_adapters
                     from mlxb.oracle.lora import attach

@@ -35,7 +35,8 @@ ARCHS: dict[str, dict] = {
     "gemma": dict(),
     "phi3": {},
     "internlm3": dict(bias=False, qkv_bias=False),
-    "exaone4": dict(sliding_window=16, sliding_window_pattern="LG", rope_scaling=None),
+    "exaone4": dict(sliding_window=16, sliding_window_pattern="LG", rope_scaling=None,
+                    layer_types=["sliding_attention", "full_attention"]),
     "smollm3": dict(no_rope_layer_interval=4),
     "seed_oss": dict(attention_bias=True, attention_out_bias=False, mlp_bias=False),
     "ministral3": dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.0,
@@ -136,7 +137,10 @@ def main() -> None:
             print(f"{arch:12s} not built: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         p = parity(folder)
-        s = "" if a.no_serve else serve(folder)
+        try:
+            s = "" if a.no_serve else serve(folder)
+        except Exception as e:
+            s = f"FAILED to start: {str(e)[-400:]}"
         print(f"{arch:12s} parity {p} | serve {s} [{time.time() - t0:.0f} s]", flush=True)
 
 

@@ -321,4 +321,25 @@ def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjectio
             layers.append(LayerBytes(kind, per_tok, window))
         elif kind == "ssm":
             layers.append(LayerBytes(kind, 0, None, sum(a.nbytes for a in c.cache if a is not None)))
+    if plan is not None:
+        _reads_packed(model, caches, kinds, plan)
     return KVProjection(tuple(layers))
+
+
+def _reads_packed(model, caches: list, kinds: list, plan) -> None:
+    """One more 1-token forward over the probe's caches converted under ``plan``: attention that computes
+    its scores by hand (Gemma 2's softcapped scores) instead of through ``scaled_dot_product_attention``
+    cannot read packed keys; refuse the flag at start-up rather than fail every request."""
+    import mlx.core as mx
+
+    from mlxb.cache.quantized import quantize_now
+
+    try:
+        mx.eval(model(mx.array([[1]]), cache=quantize_now(caches, kinds, plan)))
+    except Exception as e:
+        attn = sorted({f"{type(m).__module__.rsplit('.', 1)[-1]}.{type(m).__name__}" for _, m in model.named_modules()
+                       if type(m).__name__.endswith("Attention")})
+        raise ValueError(f"--kv-bits: this model's attention ({', '.join(attn) or type(model).__module__}) does not "
+                         f"read a quantized cache ({type(e).__name__}: {str(e).splitlines()[0][:120]}); it computes "
+                         "attention itself rather than through scaled_dot_product_attention (mlx-lm's own --kv-bits "
+                         "fails on it too). Serve it without --kv-bits / --kv-config.") from None

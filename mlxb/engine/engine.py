@@ -24,6 +24,7 @@ from mlxb.engine.calls import EngineCalls
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.device_health import DeviceHealth
 from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
+from mlxb.engine.model_fixes import fix_grouped_masks
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
@@ -59,6 +60,7 @@ class Engine:
         compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
     ):
         self.model, self.tokenizer = model, tokenizer
+        fix_grouped_masks(model)  # mlx-lm's Gemma 2 attention and a padded batch's mask (model_fixes.py)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.kinds = layer_kinds(model)

@@ -1,0 +1,68 @@
+"""mlx-lm architectures whose code meets batching or quantized KV differently from the presets'."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxb.models.presets import _tiny
+from mlxb.models.synth import build_model
+
+GEMMA2 = dict(model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=32,
+              attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16)
+
+
+def _padded_step(model, prompts):
+    """Prefill each prompt alone, merge the rows (left padding) and run one decode step of the batch
+    through mlx-lm's own caches; returns the batch's last-position logits and each row's alone."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    solo, alone = [], []
+    for p in prompts:
+        c = make_prompt_cache(model)
+        model(mx.array(p)[None], cache=c)
+        solo.append(c)
+    nxt = [[7], [11], [13]][: len(prompts)]
+    for p, t in zip(prompts, nxt):
+        c = make_prompt_cache(model)
+        alone.append(model(mx.array(p + t)[None], cache=c)[0, -1])
+    caches = [BatchKVCache.merge([s[i] for s in solo]) for i in range(len(solo[0]))]
+    out = model(mx.array(nxt), cache=caches)[:, -1]
+    return out, mx.stack(alone)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_gemma2_padded_batch_mask_gets_its_kv_head_axis(rows):
+    """Gemma 2 folds query heads into (B, kv, repeats, L, S) scores: mlx-lm's (B, 1, L, S) batch mask lands
+    on the wrong axis (silently wrong at B = kv heads = 2, an error at B = 3). After the fix each padded row
+    gives what it gives alone (to float rounding); a second call patches nothing more."""
+    from mlxb.engine.model_fixes import fix_grouped_masks
+
+    model = build_model(_tiny("g2", "gemma2", **GEMMA2))
+    prompts = [[1, 2, 3, 4, 5, 6], [8, 9], [3, 4, 5, 6]][:rows]
+    if rows == 2:  # the unfixed model: row 1's padding masks kv head 1 of every row
+        out, alone = _padded_step(model, prompts)
+        assert float(mx.abs(out - alone).max()) > 1e-3
+    else:
+        with pytest.raises(ValueError, match="broadcast"):
+            _padded_step(model, prompts)
+    assert fix_grouped_masks(model) == 2 and fix_grouped_masks(model) == 0  # once per module
+    out, alone = _padded_step(model, prompts)
+    np.testing.assert_allclose(np.array(out), np.array(alone), atol=1e-4)
+    cls = type(model.model.layers[0].self_attn)
+    assert cls.__module__ == "mlx_lm.models.gemma2" and cls.__mro__[1].__module__ == "mlx_lm.models.gemma2"
+
+
+def test_kv_bits_refused_at_start_up_for_attention_that_reads_keys_itself():
+    """Gemma 2 computes softcapped scores itself, so it cannot read packed keys (mlx-lm's kv_bits fails on it
+    too): the engine refuses the scheme when it is built, naming the attention and the fix, instead of
+    failing every request; a Llama preset with the same scheme builds."""
+    from mlxb.cache.kv_plan import KVScheme
+    from mlxb.cache.protocol import kv_projection, layer_kinds
+    from mlxb.models.presets import PRESETS
+
+    model = build_model(_tiny("g2", "gemma2", **GEMMA2))
+    with pytest.raises(ValueError, match=r"gemma2\.Attention.*without --kv-bits"):
+        kv_projection(model, layer_kinds(model), KVScheme(8, 32, 0))
+    llama = build_model(PRESETS["tiny-llama"])
+    assert kv_projection(llama, layer_kinds(llama), KVScheme(8, 32, 0)).layers
