@@ -3,7 +3,9 @@
 chat requests and one stream through ``mlxb serve``). Prints one line per architecture: exact, refused
 (with the engine's reason) or failed (with the error). Random weights: parity and robustness only.
 
-    python scripts/arch_sweep.py [--only a,b] [--keep DIR] [--no-serve]
+    python scripts/arch_sweep.py [--only a,b] [--keep DIR] [--no-serve] [--no-parity] [--flags "--kv-bits 8 ..."]
+
+``--flags``: extra ``mlxb serve`` flags for the served smoke (a refusal at start-up is reported as such).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BASE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+            head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 ARCHS: dict[str, dict] = {
@@ -92,14 +94,14 @@ def parity(folder: Path) -> str:
             + (f", skipped {out['skipped']}" if out.get("skipped") else ""))
 
 
-def serve(folder: Path) -> str:
+def serve(folder: Path, flags: tuple = ()) -> str:
     import concurrent.futures as cf
 
     import httpx
 
     from mlxb.bench import servers
 
-    srv = servers.start("mlxb", str(folder), batch=4, ready_timeout=120)
+    srv = servers.start("mlxb", str(folder), batch=4, ready_timeout=120, extra=flags)
     try:
         url = srv.base_url + "/chat/completions"
         body = lambda i: {"model": srv.model_name, "max_tokens": 12, "messages": [  # noqa: E731
@@ -126,6 +128,8 @@ def main() -> None:
     ap.add_argument("--only", default="")
     ap.add_argument("--keep", default="")
     ap.add_argument("--no-serve", action="store_true")
+    ap.add_argument("--no-parity", action="store_true")
+    ap.add_argument("--flags", default="")
     a = ap.parse_args()
     names = [n for n in a.only.split(",") if n] or list(ARCHS)
     root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="mlxb-sweep-"))
@@ -136,9 +140,9 @@ def main() -> None:
         except Exception as e:  # the config guess, not mlxb: say so and go on
             print(f"{arch:12s} not built: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
-        p = parity(folder)
+        p = "-" if a.no_parity else parity(folder)
         try:
-            s = "" if a.no_serve else serve(folder)
+            s = "" if a.no_serve else serve(folder, tuple(a.flags.split()))
         except Exception as e:
             s = f"FAILED to start: {str(e)[-400:]}"
         print(f"{arch:12s} parity {p} | serve {s} [{time.time() - t0:.0f} s]", flush=True)

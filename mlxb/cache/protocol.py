@@ -339,7 +339,8 @@ def _reads_packed(model, caches: list, kinds: list, plan) -> None:
     except Exception as e:
         attn = sorted({f"{type(m).__module__.rsplit('.', 1)[-1]}.{type(m).__name__}" for _, m in model.named_modules()
                        if type(m).__name__.endswith("Attention")})
-        raise ValueError(f"--kv-bits: this model's attention ({', '.join(attn) or type(model).__module__}) does not "
-                         f"read a quantized cache ({type(e).__name__}: {str(e).splitlines()[0][:120]}); it computes "
-                         "attention itself rather than through scaled_dot_product_attention (mlx-lm's own --kv-bits "
-                         "fails on it too). Serve it without --kv-bits / --kv-config.") from None
+        raise ValueError(f"--kv-bits: this model's attention ({', '.join(attn) or type(model).__module__}) cannot "
+                         f"read a quantized cache: {type(e).__name__}: {str(e).splitlines()[0][:120]} (attention "
+                         "computed by hand, as Gemma 2's softcapped scores, or attention sinks, as gpt-oss's, which "
+                         "MLX's quantized attention lacks; mlx-lm's own kv_bits fails on such models too). Serve it "
+                         "without --kv-bits / --kv-config.") from None

@@ -197,6 +197,8 @@ def row_spec(r, req) -> Optional[RowSpec]:
 
 
 def off_reason(kinds: list) -> Optional[str]:
+    if any(k is None for k in kinds):  # a layer cache the batch cannot hold: the serial lane only
+        return "this model is served on the serial lane only (a layer cache the batch cannot hold); no speculation"
     bad = sorted({k for k in kinds if k not in ("full", "latent")})
     if bad:
         return (f"this model has {', '.join(bad)} layers, whose rejected tails cannot be rolled back here; "

@@ -62,7 +62,24 @@ def test_kv_bits_refused_at_start_up_for_attention_that_reads_keys_itself():
     from mlxb.models.presets import PRESETS
 
     model = build_model(_tiny("g2", "gemma2", **GEMMA2))
-    with pytest.raises(ValueError, match=r"gemma2\.Attention.*without --kv-bits"):
+    with pytest.raises(ValueError, match=r"gemma2\.Attention\) cannot read a quantized cache.*without --kv-bits"):
         kv_projection(model, layer_kinds(model), KVScheme(8, 32, 0))
     llama = build_model(PRESETS["tiny-llama"])
     assert kv_projection(llama, layer_kinds(llama), KVScheme(8, 32, 0)).layers
+
+
+def test_speculation_on_a_serial_only_model_is_off_with_a_reason():
+    """Falcon-H1's layers are mlx-lm ``CacheList``s (an SSM state and a KV cache), which the batch does not
+    hold, so it is served on the serial lane: with --spec the engine starts and says why it does not
+    speculate (it raised a TypeError at start-up before)."""
+    from mlxb.cache.protocol import layer_kinds
+    from mlxb.engine.spec import SpecConfig, setup
+
+    cfg = dict(model_type="falcon_h1", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1,
+               mamba_expand=2, mamba_chunk_size=16)
+    kinds = layer_kinds(build_model(_tiny("fh1", "falcon_h1", **cfg)))
+    assert None in kinds
+    spec, off, proposer = setup(SpecConfig(), kinds)
+    assert proposer is None and "serial lane only" in off
