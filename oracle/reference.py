@@ -20,8 +20,8 @@ import tempfile
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import PromptProcessingBatch
-from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, load_prompt_cache,
-                                  make_prompt_cache, save_prompt_cache, trim_prompt_cache)
+from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache,
+                                  load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache)
 
 from mlxb.parity.plan import Planner
 from mlxb.parity.protocol import Case, step_record
@@ -78,8 +78,17 @@ def record(token: int, logprobs: mx.array, geo=None) -> dict:
 
 
 def _geo_layer(caches: list):
-    """Index of the first plain full-attention (or latent) layer, or None (quantized ones count)."""
-    return next((i for i, c in enumerate(caches) if type(c) in (KVCache, QRow)), None)
+    """Where the first plain full-attention (or latent) layer cache is, or None (quantized ones count):
+    ``(layer, None)``, or ``(layer, part)`` inside an mlx-lm ``CacheList`` (Falcon-H1's SSM + KV layers)."""
+    for i, c in enumerate(caches):
+        for j, s in enumerate(c.caches) if isinstance(c, CacheList) else [(None, c)]:
+            if type(s) in (KVCache, QRow):
+                return i, j
+    return None
+
+
+def _at(caches: list, g: tuple):
+    return caches[g[0]] if g[1] is None else caches[g[0]][g[1]]
 
 
 def _geometry(c) -> list:
@@ -163,7 +172,7 @@ def _run_cohort(model, case: Case, it, store: dict, prompt, records: dict, last_
     seeded = {r: _seed(store, it.seeds[r], model) if r in it.seeds else make_prompt_cache(model) for r in it.cohort}
     caches, toks, lp = _cohort_prefill(model, case, it.cohort, {r: prompt(r) for r in it.cohort}, seeded, starts,
                                        it, store, grammar)
-    geo = [None] * len(it.cohort) if gl is None else _geometry(caches[gl])
+    geo = [None] * len(it.cohort) if gl is None else _geometry(_at(caches, gl))
     for i, r in enumerate(it.cohort):
         records[r].append(record(toks[i], lp[i], geo[i]))
         last_tok[r] = toks[i]
@@ -224,7 +233,7 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
                     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                     tok = int(mx.argmax(lp, axis=-1).item())
                 g = _geo_layer(solo[r])
-                records[r].append(record(tok, lp, None if g is None else _geometry(solo[r][g])[0]))
+                records[r].append(record(tok, lp, None if g is None else _geometry(_at(solo[r], g))[0]))
                 last_tok[r] = tok
                 if [r, len(prompt(r))] in it.snaps:  # finished at token 0: the whole prompt is cached
                     store[(r, len(prompt(r)))] = copy.deepcopy(solo[r])
@@ -261,7 +270,7 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
             assert batch == it.forward, (batch, it.forward)
             lp, choice, kept, width = spec_ref.verify(model, caches, merged, [last_tok[r] for r in batch], props)
             n_fwd += 1
-            geo = [None] * len(batch) if gl is None else _geometry(caches[gl])
+            geo = [None] * len(batch) if gl is None else _geometry(_at(caches, gl))
             gains = {}
             for i, r in enumerate(batch):
                 room = rows[r].max_tokens - len(records[r])
@@ -288,7 +297,7 @@ def run_case(model, case: Case, tokenizer=None) -> dict:
             mx.eval(toks, lp)
             n_fwd += 1
             values = toks.tolist()
-            geo = [None] * len(batch) if gl is None else _geometry(caches[gl])
+            geo = [None] * len(batch) if gl is None else _geometry(_at(caches, gl))
             for i, r in enumerate(batch):
                 if r in it.emits:
                     assert it.emits[r] == len(records[r])

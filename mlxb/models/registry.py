@@ -69,9 +69,13 @@ def model_path(spec: ModelSpec) -> Path:
         ) from None
 
 
-def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = False):
-    """Return ``(model, tokenizer, spec, path)`` loaded through mlx-lm (``lazy``: weights not read yet)."""
+def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = False, flat_caches: bool = True):
+    """Return ``(model, tokenizer, spec, path)`` loaded through mlx-lm (``lazy``: weights not read yet;
+    ``flat_caches``: ``CacheList`` layers seen as plain layer caches, ``mlxb.models.flat``; the parity
+    oracle keeps mlx-lm's own)."""
     from mlx_lm import load
+
+    from mlxb.models.flat import flatten_cache_lists
 
     spec = resolve_model(name, dtype)
     path = model_path(spec)
@@ -80,4 +84,4 @@ def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = F
         import mlx.core as mx
 
         model.set_dtype(getattr(mx, spec.dtype))
-    return model, tokenizer, spec, path
+    return (flatten_cache_lists(model) if flat_caches else model), tokenizer, spec, path

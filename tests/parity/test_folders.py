@@ -111,3 +111,26 @@ def test_other_architectures_match_the_oracle_also_with_compiled_decode(tmp_path
         assert all(x["exact"] == x["steps"] > 0 for x in out["results"])
     g = mlxb("generate", "-m", str(folder), "-p", "hi", "-n", "8", "--compile-decode", "--json")
     assert g.returncode == 0 and len(json.loads(g.stdout.splitlines()[-1])["token_ids"]) == 8, g.stderr[-2000:]
+
+
+def test_cache_list_layers_batch_exactly_against_mlx_lm_s_own_cache_lists(tmp_path):
+    """Falcon-H1 keeps an mlx-lm ``CacheList`` (SSM state + KV cache) per layer. The engine sees the parts as
+    layer caches of their own (``mlxb/models/flat.py``) and batches the model; the oracle runs mlx-lm's batch
+    mode on its own CacheLists. Join, leave, the prompt cache's prefix case and the ssm case are exact at
+    B=1..3, cache geometry included, and a planted bug still fails the gate."""
+    from mlxb.models.presets import _tiny
+    from mlxb.models.synth import write_folder
+
+    cfg = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+               mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=16)
+    folder = write_folder(_tiny("fh1", "falcon_h1", model_type="falcon_h1", **cfg), tmp_path / "falcon_h1")
+    r = mlxb("parity", "-m", str(folder), "--b", "1,2,3", "-c", "join", "-c", "leave", "-c", "prefix", "-c", "ssm",
+             "--against", "live", "--json")
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["ok"] and len(out["results"]) == 12, r.stdout[-2000:] + r.stderr[-2000:]
+    assert all(x["exact"] == x["steps"] > 0 for x in out["results"])
+    bad = mlxb("parity", "-m", str(folder), "--b", "3", "-c", "join", "--against", "live", "--plant-fault",
+               "scalar_rope")
+    assert bad.returncode == 1 and "first divergence" in bad.stdout, bad.stdout[-2000:]
+

@@ -69,9 +69,10 @@ def test_kv_bits_refused_at_start_up_for_attention_that_reads_keys_itself():
 
 
 def test_speculation_on_a_serial_only_model_is_off_with_a_reason():
-    """Falcon-H1's layers are mlx-lm ``CacheList``s (an SSM state and a KV cache), which the batch does not
-    hold, so it is served on the serial lane: with --spec the engine starts and says why it does not
-    speculate (it raised a TypeError at start-up before)."""
+    """A model with a layer cache the batch does not hold is served on the serial lane: with --spec the engine
+    starts and says why it does not speculate (it raised a TypeError at start-up before). Falcon-H1 as mlx-lm
+    builds it (``CacheList`` layers) stands for one here; ``load_model`` flattens those lists, so served
+    Falcon-H1 batches (next test)."""
     from mlxb.cache.protocol import layer_kinds
     from mlxb.engine.spec import SpecConfig, setup
 
@@ -83,3 +84,35 @@ def test_speculation_on_a_serial_only_model_is_off_with_a_reason():
     assert None in kinds
     spec, off, proposer = setup(SpecConfig(), kinds)
     assert proposer is None and "serial lane only" in off
+
+
+def test_cache_list_layers_flattened_and_grouped_around_the_same_objects():
+    """``FlatCacheModel`` gives the engine one plain cache per part and groups the very same objects back
+    into CacheLists for the model, so a forward through the flat list updates what the engine holds;
+    its logits equal the model's own on its own CacheLists."""
+    from mlx_lm.models.cache import CacheList
+
+    from mlxb.cache.protocol import layer_kinds
+    from mlxb.models.flat import FlatCacheModel, flatten_cache_lists
+
+    cfg = dict(model_type="falcon_h1", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1,
+               mamba_expand=2, mamba_chunk_size=16)
+    raw = build_model(_tiny("fh1", "falcon_h1", **cfg))
+    flat = flatten_cache_lists(raw)
+    assert isinstance(flat, FlatCacheModel) and flatten_cache_lists(flat) is flat
+    assert layer_kinds(flat) == ["ssm", "full", "ssm", "full"]
+    caches = flat.make_cache()
+    x = mx.array([[1, 2, 3, 4, 5]])
+    ours = flat(x, cache=caches)
+    assert caches[1].offset == 5 and caches[0][0] is not None  # the engine's objects were updated in place
+    theirs = raw(x, cache=raw.make_cache())
+    assert mx.array_equal(ours, theirs)
+    grouped = flat.group(caches)
+    assert isinstance(grouped[0], CacheList) and grouped[0][1] is caches[1]
+    with pytest.raises(ValueError, match="3 layer caches"):
+        flat.group(caches[:3])
+    llama = build_model(_tiny("l", "llama", model_type="llama", hidden_size=64, num_hidden_layers=1,
+                              intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6))
+    assert flatten_cache_lists(llama) is llama  # no CacheList: the model itself
