@@ -348,12 +348,15 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
           --out "$OUT/graph-mix-$m-cache$c-pass$pass.json" 2>&1 | grep -v Warning
       done; done
     done ;;
-  loraserved)  # issue 16: four rank-16 adapters mixed across requests, mlxb serve vs mlx_lm.server (which reloads), 8 and 32 clients
+  loraserved)  # issue 16: four rank-16 adapters mixed across requests, mlxb serve vs mlx_lm.server (which reloads), 8 clients;
+    # then mlxb alone: the same load with and without the adapters (served mixed / base)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     mkdir -p /tmp/bench && cd /tmp/bench && ln -sfn "$OLDPWD/matrices" matrices
-    t0=$(date +%s); timeout ${LIMIT:-540} python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml \
-      -m /var/tmp/$m --peer mlx-lm --batch 32 2>&1 | grep -v Warning | tail -16; echo "features rc=$? in $(( $(date +%s) - t0 ))s"
+    t0=$(date +%s); timeout ${LIMIT:-400} python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml \
+      --cell lora16 -m /var/tmp/$m --peer mlx-lm --batch 32 2>&1 | grep -v Warning | tail -10; echo "features rc=$? in $(( $(date +%s) - t0 ))s"
+    timeout 150 python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml --repeats 3 \
+      -m /var/tmp/$m --batch 32 2>&1 | grep -v Warning | tail -10
     tar czf "$OUT/lora-served-results.tgz" reports/results ;;
   speccheap)  # issue 15: bench spec with the draft length kept at the longest where a verify step is cheap
     # (MLXB_SPEC_CHEAP_VERIFY=1.5) against the shrink (0, the default), separate processes, alternating

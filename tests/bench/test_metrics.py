@@ -62,7 +62,7 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
                                          "kv4", "spec", "lora"]
     assert [(c.adapters, c.adapter_rank) for c in m.cells if c.adapters] == [(4, 8)]
     h = parse("matrices/lora-h200.toml")
-    assert [(c.name, c.adapters, c.adapter_rank) for c in h.cells] == [("lora16", 4, 16)]
+    assert [(c.name, c.adapters, c.adapter_rank) for c in h.cells] == [("lora16", 4, 16), ("base8", 0, 8)]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
     assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"],
                                                                  ["--draft-model", "tiny-llama", "--num-draft-tokens", "4"]]
