@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
             src = loads.get(f"{case.model}|{case.dtype}", (case.model, case.dtype))
             if mkey not in models or case.lora:  # adapters change the model: a fresh one per lora case
                 models.clear()  # one model resident at a time
-                models[mkey] = load_model(*src, flat_caches=False)[:2]  # mlx-lm's own CacheList layers
+                models[mkey] = load_model(*src, engine_view=False)[:2]  # mlx-lm's model as shipped
                 correct_masks(models[mkey][0])  # mlx-lm's Gemma 2 under a padded batch (grouped.py)
                 if case.lora:
                     from mlxb.models.adapters import ensure_adapters

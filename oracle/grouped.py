@@ -5,7 +5,7 @@
 axis (wrong at B equal to the kv-head count, an error at other B; a lone row is unaffected). The oracle
 keeps mlx-lm's model code and caches and instead gives the module's mask function an extra axis for
 four-axis masks, so the reference is mlx-lm's batch mode as it would be with the shapes right. The
-engine corrects the attention modules instead (``mlxb/engine/model_fixes.py``); the two are
+engine corrects the attention modules instead (``mlxb/models/model_fixes.py``); the two are
 independent, so parity checks one against the other.
 """
 

@@ -326,6 +326,16 @@ def kv_projection(model, kinds: list[Optional[str]], scheme=None) -> KVProjectio
     return KVProjection(tuple(layers))
 
 
+def admission_projection(model, kinds: list[Optional[str]], scheme=None, spec=None) -> KVProjection:
+    """What admission counts per row: the model's KV bytes (``kv_projection``), plus a draft model's
+    (``--spec draft`` keeps one plain cache row of the draft per target row)."""
+    proj = kv_projection(model, kinds, scheme)
+    draft = getattr(spec, "draft_model", None)
+    if draft is None:
+        return proj
+    return KVProjection(proj.layers + kv_projection(draft, layer_kinds(draft)).layers)
+
+
 def _reads_packed(model, caches: list, kinds: list, plan) -> None:
     """One more 1-token forward over the probe's caches converted under ``plan``: attention that computes
     its scores by hand (Gemma 2's softcapped scores) instead of through ``scaled_dot_product_attention``

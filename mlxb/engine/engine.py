@@ -19,12 +19,11 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlxb.cache.protocol import kv_projection, layer_kinds
+from mlxb.cache.protocol import admission_projection, layer_kinds
 from mlxb.engine.calls import EngineCalls
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.device_health import DeviceHealth
 from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
-from mlxb.engine.model_fixes import fix_grouped_masks
 from mlxb.engine.prefill import prefill_cohort, prefill_one
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
@@ -34,6 +33,7 @@ from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.engine.threads import release_thread_state, stop_at_exit, wait_gone
 from mlxb.engine.trace import IterationTrace
 from mlxb.errors import EngineFailure, EngineUnavailableError, MlxbError
+from mlxb.models.model_fixes import engine_view
 from mlxb.request import Request, RequestStatus
 
 
@@ -59,8 +59,8 @@ class Engine:
         runner_cls=Runner,  # mlxb.engine.tp.TPRunner (bound to its Link) under --tp
         compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
     ):
+        model = engine_view(model)  # load_model's already; a model built elsewhere gets the corrections here
         self.model, self.tokenizer = model, tokenizer
-        fix_grouped_masks(model)  # mlx-lm's Gemma 2 attention and a padded batch's mask (model_fixes.py)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.kinds = layer_kinds(model)
@@ -72,12 +72,7 @@ class Engine:
         # NOTE: the runner first: under --tp it is announced to the other ranks before the forward below
         self.runner = runner_cls(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
                                  special_tokens=sorted(self.eos_ids), compile_decode=compile_decode)
-        self.projection = kv_projection(model, self.kinds, self.kv_scheme) if self.batchable else None
-        if self.projection is not None and spec is not None and spec.draft_model is not None:
-            from mlxb.engine.outputs import KVProjection
-
-            d = spec.draft_model  # a draft model keeps one plain cache row per target row: admission counts it
-            self.projection = KVProjection(self.projection.layers + kv_projection(d, layer_kinds(d)).layers)
+        self.projection = admission_projection(model, self.kinds, self.kv_scheme, spec) if self.batchable else None
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.scheduler = Scheduler(
             max_batch=max_batch,

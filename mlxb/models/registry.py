@@ -69,13 +69,13 @@ def model_path(spec: ModelSpec) -> Path:
         ) from None
 
 
-def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = False, flat_caches: bool = True):
+def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = False, engine_view: bool = True):
     """Return ``(model, tokenizer, spec, path)`` loaded through mlx-lm (``lazy``: weights not read yet;
-    ``flat_caches``: ``CacheList`` layers seen as plain layer caches, ``mlxb.models.flat``; the parity
-    oracle keeps mlx-lm's own)."""
+    ``engine_view``: with the engine's corrections, ``mlxb.models.model_fixes``; the parity oracle runs
+    mlx-lm's model as shipped)."""
     from mlx_lm import load
 
-    from mlxb.models.flat import flatten_cache_lists
+    from mlxb.models import model_fixes
 
     spec = resolve_model(name, dtype)
     path = model_path(spec)
@@ -84,4 +84,4 @@ def load_model(name: str | None = None, dtype: str | None = None, lazy: bool = F
         import mlx.core as mx
 
         model.set_dtype(getattr(mx, spec.dtype))
-    return (flatten_cache_lists(model) if flat_caches else model), tokenizer, spec, path
+    return (model_fixes.engine_view(model) if engine_view else model), tokenizer, spec, path

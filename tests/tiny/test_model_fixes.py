@@ -36,7 +36,7 @@ def test_gemma2_padded_batch_mask_gets_its_kv_head_axis(rows):
     """Gemma 2 folds query heads into (B, kv, repeats, L, S) scores: mlx-lm's (B, 1, L, S) batch mask lands
     on the wrong axis (silently wrong at B = kv heads = 2, an error at B = 3). After the fix each padded row
     gives what it gives alone (to float rounding); a second call patches nothing more."""
-    from mlxb.engine.model_fixes import fix_grouped_masks
+    from mlxb.models.model_fixes import fix_grouped_masks
 
     model = build_model(_tiny("g2", "gemma2", **GEMMA2))
     prompts = [[1, 2, 3, 4, 5, 6], [8, 9], [3, 4, 5, 6]][:rows]

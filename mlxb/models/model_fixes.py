@@ -1,4 +1,10 @@
-"""Corrections to mlx-lm model code that only batched decoding reaches.
+"""What the engine runs: mlx-lm's model with the corrections batched decoding needs (``engine_view``).
+
+1. Layers that keep an mlx-lm ``CacheList`` are seen as plain layer caches (``mlxb.models.flat``).
+2. Attention that meets a padded batch's mask on the wrong axis gets the axis (below).
+
+The parity oracle runs mlx-lm's model as shipped (``load_model(engine_view=False)``) and corrects mlx-lm's
+batch mode its own way (``oracle/grouped.py``), so parity checks these against an independent reference.
 
 Gemma 2's attention (``mlx_lm.models.gemma2.Attention``) folds the query heads into
 ``(B, kv_heads, repeats, L, S)`` scores and adds the mask to them itself. A padded batch's mask is
@@ -9,7 +15,7 @@ either way, so mlx-lm's single-stream path never meets it; its own batch mode do
 
 ``fix_grouped_masks`` gives each such module a subclass whose call inserts the missing axis,
 ``(B, 1, 1, L, S)``, before mlx-lm's own code runs; masks of two axes, no mask, and a lone row are
-passed on unchanged. The parity oracle corrects mlx-lm's batch mode its own way (``oracle/grouped.py``).
+passed on unchanged.
 """
 
 from __future__ import annotations
@@ -42,3 +48,13 @@ def fix_grouped_masks(model) -> int:
             m.__class__ = _grouped(cls)
             n += 1
     return n
+
+
+def engine_view(model):
+    """``model`` corrected for the engine (idempotent: ``load_model`` applies it, the Engine again for
+    models built elsewhere)."""
+    from mlxb.models.flat import flatten_cache_lists
+
+    fix_grouped_masks(model)
+    return flatten_cache_lists(model)
+
