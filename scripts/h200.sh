@@ -353,9 +353,11 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     mkdir -p /tmp/bench && cd /tmp/bench && ln -sfn "$OLDPWD/matrices" matrices
-    t0=$(date +%s); timeout ${LIMIT:-400} python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml \
-      --cell lora16 -m /var/tmp/$m --peer mlx-lm --batch 32 2>&1 | grep -v Warning | tail -10; echo "features rc=$? in $(( $(date +%s) - t0 ))s"
-    timeout 150 python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml --repeats 3 \
+    # PEER=0: mlxb alone only (MLXB_LORA_PATH, exported, reaches the servers it starts)
+    [ "${PEER:-1}" = 0 ] || { t0=$(date +%s); timeout ${LIMIT:-400} python3 -m mlxb.commands.main bench features \
+      --matrix matrices/lora-h200.toml --cell lora16 -m /var/tmp/$m --peer mlx-lm --batch 32 2>&1 | grep -v Warning | tail -10
+      echo "features rc=$? in $(( $(date +%s) - t0 ))s"; }
+    timeout ${LIMIT2:-150} python3 -m mlxb.commands.main bench features --matrix matrices/lora-h200.toml --repeats ${REPEATS:-3} \
       -m /var/tmp/$m --batch 32 2>&1 | grep -v Warning | tail -10
     tar czf "$OUT/lora-served-results.tgz" reports/results ;;
   speccheap)  # issue 15: bench spec with the draft length kept at the longest where a verify step is cheap

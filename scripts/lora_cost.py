@@ -47,8 +47,11 @@ def main():
     for name, slots in arms.items():
         ctx.set(slots)
         print(f"forward {name:6s} B={B}: {timed(fwd):.3f} ms", flush=True)
-    # one projection alone (the MLP up projection's shape)
+    # one projection alone (the MLP up projection's shape); the concat path has no per-projection layer
     m = next(mod for n, mod in model.named_modules() if n.endswith("mlp.up_proj"))
+    if not hasattr(m, "lora_a"):
+        print(f"LoRA path: {ctx.path}; {mx.default_device()} (no per-projection ops to time)")
+        return
     a, b = m.lora_a, m.lora_b
     xin = mx.random.normal((B, 1, a.shape[1])).astype(mx.bfloat16)
     ids = mx.array([i % 4 for i in range(B)], dtype=mx.uint32)

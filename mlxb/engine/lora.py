@@ -12,6 +12,7 @@ base rows pay nothing. The base weights are shared (plain or quantized ``Linear`
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -67,7 +68,7 @@ class LoRAContext:
         self.ids: Optional[mx.array] = None
         self.one: Optional[int] = None
         self.rank = 0  # every adapter's factors padded to this rank (install)
-        self.path = "exact"  # "stacked" / "fused" where any projection takes that path (install)
+        self.path = "exact"  # "stacked" / "fused" / "concat" where any projection takes that path (install)
         self._slots: list[int] = []
         self._masks: dict = {}
 
@@ -96,6 +97,20 @@ class LoRAContext:
         if r is None:
             r = self._row_slots[per] = mx.array([s for s in self._slots for _ in range(per)], dtype=mx.int32)
         return r
+
+    def block_mask(self, dtype, width: int) -> mx.array:
+        """[rows, 1, adapters * width]: 1 over each row's adapter's block, 0 elsewhere (the concat path's
+        selector: its scales are folded into the expand factors)."""
+        m = self._masks.get((dtype, width))
+        if m is None:
+            import numpy as np
+
+            host = np.zeros((len(self._slots), 1, len(self.names) * width), dtype=np.float32)
+            for i, s in enumerate(self._slots):
+                if s >= 0:
+                    host[i, 0, s * width : (s + 1) * width] = 1.0
+            m = self._masks[(dtype, width)] = mx.array(host).astype(dtype)
+        return m
 
     def mask(self, dtype) -> mx.array:
         """[rows, 1, adapters * rank]: each row's scale over its adapter's block of the stacked factors,
@@ -206,12 +221,12 @@ def _path_for(cuda: bool, stacked_rank: int, out_dim: int, path: Optional[str] =
     path. ``fused`` (``mlxb.kernels.lora_fused``) is asked for by name only: on the H200 it was not reliably
     faster than stacked in the engine (README, LoRA); it needs CUDA and passes a device check at install, and a
     projection it cannot take (rank above its limit, a --tp sharded-to-all input) takes the stacked path."""
-    import os
-
     want = path or os.environ.get("MLXB_LORA_PATH") or "auto"
     if want not in LORA_PATHS:
         raise ValidationError(f"LoRA path {want!r}: use one of {', '.join(LORA_PATHS)} (--lora-path or MLXB_LORA_PATH)",
                               param="lora_path")
+    if want == "concat":  # what install's concatenated groups did not take
+        want = "auto"
     if want == "fused":
         if not lora_fused.available():
             raise ValidationError("--lora-path fused needs MLX's CUDA backend (a CUDA GPU as the default device); "
@@ -239,7 +254,14 @@ def _fused_checked() -> bool:
     return True
 
 
-LORA_PATHS = ("auto", "exact", "stacked", "fused")
+LORA_PATHS = ("auto", "exact", "stacked", "fused", "concat")
+
+
+def _pad_rank(la: mx.array, lb: mx.array, r: int) -> tuple[mx.array, mx.array]:
+    """One adapter's factors padded with zeros to rank ``r`` (A's columns, B's rows)."""
+    a = mx.pad(la, [(0, 0), (0, r - la.shape[1])]) if la.shape[1] < r else la
+    b = mx.pad(lb, [(0, r - lb.shape[0]), (0, 0)]) if lb.shape[0] < r else lb
+    return a, b
 
 
 def _as(z: mx.array, dtype) -> mx.array:
@@ -291,12 +313,23 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
             raise ValidationError(f"adapter {a.name!r} does not fit this model: no module {unknown[0]!r}")
     r = max(a.rank for a in adapters)
     swaps = []
+    want = lora_path or os.environ.get("MLXB_LORA_PATH") or "auto"
+    concat = set()
+    if want == "concat":
+        if any(_sharding(m) for m in modules.values()):
+            raise ValidationError("--lora-path concat is not supported under --tp; use stacked or exact", param="lora_path")
+        from mlxb.engine.lora_concat import install_groups
+
+        concat = install_groups(model, ctx, adapters, paths, r, lambda la, lb: _pad_rank(la, lb, r))
+        ctx.path = "concat" if concat else ctx.path
     sharded = any(_sharding(m) for m in modules.values())
     mtype = getattr(getattr(model, "args", None), "model_type", None)
     if sharded and mtype not in TP_LORA_MODEL_TYPES:
         raise ValidationError(f"LoRA adapters under --tp are supported for {', '.join(TP_LORA_MODEL_TYPES)} models, not "
                               f"{mtype} (its sharding may split fused projections); run it without --tp", param="adapters")
     for path in paths:
+        if path in concat:
+            continue
         base = modules[path]
         kind = _sharding(base)
         quant = isinstance(base, nn.QuantizedLinear) or "Quantized" in type(base).__name__
@@ -310,8 +343,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
         for i, ad in enumerate(adapters):
             if f"{path}.lora_a" in ad.weights:
                 la, lb = _shard_factors(path, base, kind, ad.weights[f"{path}.lora_a"], ad.weights[f"{path}.lora_b"])
-                A[i] = mx.pad(la, [(0, 0), (0, r - la.shape[1])]) if la.shape[1] < r else la
-                B[i] = mx.pad(lb, [(0, r - lb.shape[0]), (0, 0)]) if lb.shape[0] < r else lb
+                A[i], B[i] = _pad_rank(la, lb, r)
         scale = mx.array([a.scale for a in adapters], dtype=mx.float32)
         swaps.append((path, MultiLoRALinear(base, ctx, mx.stack(A), mx.stack(B), scale,
                                             group=base.group if kind == "in" else None, path=lora_path)))
@@ -321,7 +353,8 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     # evaluated later on the engine thread ("There is no Stream(cpu, 0) in current thread")
     mx.eval([t for _, m in swaps for t in m.tensors()])
     ctx.rank = r
-    ctx.path = ("fused" if any(m._fused for _, m in swaps) else "stacked" if any(m._stacked for _, m in swaps)
-                else "exact")
+    if not concat:
+        ctx.path = ("fused" if any(m._fused for _, m in swaps) else "stacked" if any(m._stacked for _, m in swaps)
+                    else "exact")
     model.mlxb_lora = ctx  # the engine's runner finds it here
     return ctx

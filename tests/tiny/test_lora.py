@@ -149,3 +149,32 @@ def test_lora_path_choice_flag_over_environment(adapters, monkeypatch):
     model, *_ = load_model("tiny-llama")
     with pytest.raises(ValidationError, match="exact, stacked"):
         install(model, [read_adapter("x", adapters["x"])], lora_path="fast")
+
+
+def test_concat_path_gives_each_row_its_own_adapter(adapters):
+    """The concatenated path (q/k/v and gate/up as one product each, every adapter's shrink riding on it, one
+    ``addmm`` of the masked shrinks) keeps each row on its own adapter: tokens equal mlx-lm alone with that
+    adapter, logprobs within float32 rounding; the planted slot shift changes the first row. Adapter y covers
+    only the last layer, so groups it does not touch carry zero factors for it."""
+    from mlxb.engine.lora_concat import CatLoRAPart
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(5, 8000, size=n).tolist() for n in (19, 8, 27)]
+    model, tok, *_ = load_model("tiny-llama")
+    ctx = install(model, [read_adapter("x", adapters["x"]), read_adapter("y", adapters["y"])], lora_path="concat")
+    assert ctx.path == "concat" and ctx.stats()["lora_path"] == "concat"
+    parts = [n for n, m in model.named_modules() if isinstance(m, CatLoRAPart)]
+    assert any(n.endswith("self_attn.k_proj") for n in parts) and any(n.endswith("mlp.down_proj") for n in parts)
+    assert not [n for n, m in model.named_modules() if type(m).__name__ == "MultiLoRALinear"]
+    paths = {0: adapters["x"], 1: adapters["y"], -1: None}
+    assert rows_within(model, tok, prompts, paths) < 1e-3
+
+
+def test_concat_block_mask_selects_each_rows_adapter_block():
+    from mlxb.engine.lora import LoRAContext
+
+    ctx = LoRAContext(["a", "b"])
+    ctx.set([1, -1, 0])
+    m = np.array(ctx.block_mask(mx.float32, 3))
+    assert m.shape == (3, 1, 6)
+    assert m[0, 0].tolist() == [0, 0, 0, 1, 1, 1] and m[1, 0].tolist() == [0] * 6 and m[2, 0].tolist() == [1, 1, 1, 0, 0, 0]
