@@ -155,7 +155,7 @@ def lora_bench(
     context: int = typer.Option(256, "--context", min=1),
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
-    lora_path: Optional[str] = typer.Option(None, "--lora-path", help="exact | stacked | fused | auto (as mlxb serve --lora-path)."),
+    lora_path: Optional[str] = typer.Option(None, "--lora-path", help="exact | stacked | fused | concat | auto (as mlxb serve --lora-path)."),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """LoRA per row on our engine: N adapters mixed vs the base, one adapter vs mlx-lm's fused model (ratios)."""

@@ -300,7 +300,8 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
             lora_path: Optional[str] = None) -> LoRAContext:
     """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters (under
     ``--tp``, on a sharded model: each rank keeps its part of the factors). ``lora_path``: exact | stacked |
-    auto | fused (see ``_path_for``)."""
+    auto | fused | concat. ``concat`` (and auto on CUDA, unsharded) first gives the groups of plain ``Linear``
+    layers to ``mlxb.engine.lora_concat``; every other projection takes its path from ``_path_for``."""
     ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
     ctx.scales = [a.scale for a in adapters]
     modules = dict(model.named_modules())
@@ -315,14 +316,15 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     swaps = []
     want = lora_path or os.environ.get("MLXB_LORA_PATH") or "auto"
     concat = set()
-    if want == "concat":
-        if any(_sharding(m) for m in modules.values()):
-            raise ValidationError("--lora-path concat is not supported under --tp; use stacked or exact", param="lora_path")
+    sharded = any(_sharding(m) for m in modules.values())
+    cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu
+    if want == "concat" and sharded:
+        raise ValidationError("--lora-path concat is not supported under --tp; use stacked or exact", param="lora_path")
+    if want == "concat" or (want == "auto" and cuda and not sharded):  # auto: concat on CUDA (README, LoRA)
         from mlxb.engine.lora_concat import install_groups
 
         concat = install_groups(model, ctx, adapters, paths, r, lambda la, lb: _pad_rank(la, lb, r))
         ctx.path = "concat" if concat else ctx.path
-    sharded = any(_sharding(m) for m in modules.values())
     mtype = getattr(getattr(model, "args", None), "model_type", None)
     if sharded and mtype not in TP_LORA_MODEL_TYPES:
         raise ValidationError(f"LoRA adapters under --tp are supported for {', '.join(TP_LORA_MODEL_TYPES)} models, not "
