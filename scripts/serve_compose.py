@@ -1,5 +1,6 @@
 """A served composition run through the ``openai`` SDK: start ``mlxb serve`` with the flags given, send one
-lone chat (a repetitive prompt, so lookup drafts), then six concurrent chats sharing a long system prompt
+lone chat (a repetitive prompt, so lookup drafts), then six concurrent chats (rows cycle through the base and
+each adapter ``/v1/models`` lists) sharing a long system prompt
 (one with logprobs), a ``json_schema`` row, then a lone one again; print finish reasons, the speculation and prompt-cache counters
 of ``/stats`` and ``/health``. Exits non-zero if a request fails or ``/health`` is not ok.
 
@@ -25,11 +26,13 @@ def main() -> int:
     proc, base = served.start(port, args, wait_s=180)
     try:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        ids = [m.id for m in client.models.list().data]  # with --adapters: the base and each "base:adapter"
+        print("models", ids)
         system = "You are a careful agent. " * 40
 
         def chat(i: int):
             r = client.chat.completions.create(
-                model=model, temperature=0, max_tokens=48, logprobs=i == 1, top_logprobs=2 if i == 1 else None,
+                model=ids[i % len(ids)], temperature=0, max_tokens=48, logprobs=i == 1, top_logprobs=2 if i == 1 else None,
                 messages=[{"role": "system", "content": system}, {"role": "user", "content": "alpha beta gamma delta " * (10 + i)}])
             return r.choices[0].finish_reason, r.usage.completion_tokens
 
@@ -50,6 +53,8 @@ def main() -> int:
         sp = eng.get("speculation") or {}
         print("speculation", json.dumps({k: sp.get(k) for k in ("pipeline", "verify_steps", "drafted", "accepted", "pipelined_kept",
                                                                 "pipelined_dropped", "pipelined_cancelled")}))
+        if "lora" in eng:
+            print("lora_path", eng["lora"].get("lora_path"))
         pc = httpx.get(f"{base}/stats").json().get("prompt_cache") or {}
         print("prompt cache", json.dumps({k: pc.get(k) for k in ("lookups", "hits", "cached_tokens")}))
         health = httpx.get(f"{base}/health").json()

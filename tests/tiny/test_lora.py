@@ -178,3 +178,20 @@ def test_concat_block_mask_selects_each_rows_adapter_block():
     m = np.array(ctx.block_mask(mx.float32, 3))
     assert m.shape == (3, 1, 6)
     assert m[0, 0].tolist() == [0, 0, 0, 1, 1, 1] and m[1, 0].tolist() == [0] * 6 and m[2, 0].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_concat_path_leaves_quantized_layers_to_the_per_projection_path(adapters):
+    """A quantized base cannot take the factors' rows: with concat asked for, its projections keep a
+    ``MultiLoRALinear`` (the exact path here) and the adapted model still runs and differs from the base."""
+    import mlx.nn as nn
+
+    model, *_ = load_model("tiny-llama")
+    nn.quantize(model, group_size=32, bits=4)
+    ctx = install(model, [read_adapter("x", adapters["x"])], lora_path="concat")
+    kinds = {type(m).__name__ for _, m in model.named_modules()}
+    assert "MultiLoRALinear" in kinds and "CatLoRAPart" not in kinds and ctx.path == "exact"
+    x = mx.array([[5, 17, 300, 41]], dtype=mx.uint32)
+    ctx.set([-1])
+    base = model(x)
+    ctx.set([0])
+    assert not mx.allclose(model(x), base).item()
