@@ -9,7 +9,7 @@ twice over:
 * every adapter's shrink factors ride on that product: the weight is ``[W_1; ...; W_k; A^T]``, so
   ``x @ W_cat^T`` gives the group's base outputs and all adapters' shrinks ``z`` at once.
 
-Then one ``addmm`` adds ``(z * mask) @ B`` (the mask keeps each row's own adapter's columns; every adapter's
+Then one ``addmm`` adds ``(z * mask) @ B`` to the whole product (the mask keeps each row's own adapter's columns; every adapter's
 scale is folded into its rows of ``B``, which maps each part's columns to that part's outputs). A forward
 whose rows all use one adapter takes its columns of ``z`` and its rows of ``B`` and needs no mask; a forward
 with no adapter row runs the group's base product only (the first rows of the same weight: a view), and a
@@ -62,7 +62,9 @@ class _CatGroup:
                 b = (scales[i] * factors[j][1][i].astype(mx.float32)).astype(dt)  # [r, out_j], the scale folded in
                 rows.append(mx.pad(b, [(0, 0), (s, O - e)]))
         self.cat = cat
-        self.b = mx.concatenate(rows, axis=0)  # [n * width, O]
+        # [n * width, O + n * width]: zero columns over z's own, so the addmm's addend is the whole (contiguous)
+        # product, which MLX's CUDA addmm reads in place; a slice of it would be copied first
+        self.b = mx.pad(mx.concatenate(rows, axis=0), [(0, 0), (0, n * self.width)])
         self.base = nn.Linear(1, 1, bias="bias" in cat)  # the group's base rows of the same weight (views)
         self.base.weight = cat.weight[:O]
         if "bias" in cat:
@@ -87,12 +89,12 @@ class _CatGroup:
         if ctx.ids is None:
             return self.base(x)
         out = self.cat(x)
-        y, z = out[..., : self.O], out[..., self.O :]
-        one = ctx.one
+        z, w, one = out[..., self.O :], self.width, ctx.one
         if one is not None:
-            w = self.width
-            return mx.addmm(y, z[..., one * w : (one + 1) * w], self.b_one[one])
-        return mx.addmm(y, z * ctx.block_mask(z.dtype, self.width), self.b)
+            out = mx.addmm(out, z[..., one * w : (one + 1) * w], self.b_one[one])
+        else:
+            out = mx.addmm(out, z * ctx.block_mask(z.dtype, w), self.b)
+        return out[..., : self.O]
 
     def part(self, x: mx.array, j: int) -> mx.array:
         if len(self.bounds) == 1:
