@@ -111,6 +111,9 @@ class Request:
     mechanism: str = "continuous"  # "serial" | "continuous"
     num_generated: int = 0
     cached_tokens: int = 0
+    # prompt lengths where prefill ends a chunk, so that a cache of exact snapshots (recurrent or sliding-window
+    # layers) holds one there: a shared system prompt's end (gateway), a prefix shared with cached prompts (reuse)
+    snapshot_at: list[int] = field(default_factory=list)
     spec_drafted: Optional[int] = None  # --spec: draft tokens proposed for this row, and kept by the target
     spec_accepted: int = 0
     constraint: Any = None  # mlxb.engine.grammar.Constraint: this row's grammar matcher (structured outputs)

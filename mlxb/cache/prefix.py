@@ -116,6 +116,19 @@ class PrefixCache:
             self._lru.move_to_end(id(best.entry))
         return best
 
+    def shared_depth(self, namespace: str, tokens, limit: Optional[int] = None) -> int:
+        """How many leading tokens of ``tokens[:limit]`` some stored key shares (whether or not an entry ends
+        there); marks nothing used."""
+        node = self._roots.get(namespace)
+        n = 0 if node is None else len(tokens) if limit is None else min(limit, len(tokens))
+        depth = 0
+        while depth < n:
+            node = node.children.get(tokens[depth])
+            if node is None:
+                break
+            depth += 1
+        return depth
+
     @staticmethod
     def _entry_below(node: _Node) -> PrefixEntry:
         # every node lies on the path of at least one stored key, so any child chain ends in one

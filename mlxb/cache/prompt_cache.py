@@ -183,6 +183,12 @@ class PromptCache:
             self.counters["cached_tokens"] += best.num_tokens
         return best
 
+    def shared_prefix(self, tokens, limit: int, adapter: int = -1) -> int:
+        """How many leading tokens of ``tokens[:limit]`` a cached prompt shares (RAM or SSD), snapshot or not."""
+        ns = self.ns(adapter)
+        far = self.disk.shared_depth(ns, tokens, limit) if self.disk is not None else 0
+        return max(self.ram.shared_depth(ns, tokens, limit), far)
+
     def _restore(self, far: PrefixMatch) -> Optional[PrefixMatch]:
         """Load an SSD entry into RAM; a bad file is skipped (warned and dropped), never served."""
         t0 = time.perf_counter()

@@ -120,6 +120,10 @@ class DiskTier:
             return queued
         return on_disk
 
+    def shared_depth(self, namespace: str, tokens, limit: int) -> int:
+        with self._lock:
+            return max(self.index.shared_depth(namespace, tokens, limit), self._pending.shared_depth(namespace, tokens, limit))
+
     @property
     def total_bytes(self) -> int:
         return self.index.total_bytes

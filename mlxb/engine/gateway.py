@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mlxb.engine.engine import Engine
+from mlxb.engine.scheduler import common_prefix
 from mlxb.engine.tools import ToolFormat, constraint_grammar, normalize_messages, tool_choice_mode, validate_tools
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import ValidationError
@@ -129,13 +130,7 @@ class Gateway:
                 raise ValidationError("prompt must be a string", param="prompt")
             ids = self.tokenizer.encode(inp.prompt)
         else:
-            msgs = normalize_messages(inp.messages)
-            kwargs = dict(inp.chat_template_kwargs or {})
-            if self.chat_template:
-                kwargs["chat_template"] = self.chat_template
-            tools = validate_tools(inp.tools)
-            if tools:
-                kwargs["tools"] = tools
+            msgs, kwargs = self.chat(inp)
             try:
                 ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
             except Exception as e:
@@ -143,6 +138,36 @@ class Gateway:
         if not ids:
             raise ValidationError("the prompt is empty after tokenization", param="prompt")
         return list(ids)
+
+    def chat(self, inp: GenerationInput) -> tuple[list, dict]:
+        """The messages and the chat template's arguments (template override, tools, request kwargs)."""
+        kwargs = dict(inp.chat_template_kwargs or {})
+        if self.chat_template:
+            kwargs["chat_template"] = self.chat_template
+        tools = validate_tools(inp.tools)
+        if tools:
+            kwargs["tools"] = tools
+        return normalize_messages(inp.messages), kwargs
+
+    def system_mark(self, inp: GenerationInput, ids: list[int]) -> list[int]:
+        """Where the leading system (and developer) messages' tokens end, as far as the template shows it:
+        the common prefix of this prompt with the same system part followed by another user message. Only
+        for a prompt cache of exact snapshots (recurrent or sliding-window layers), whose prefill then
+        snapshots there, so the next agent with that system prompt finds it from the first agent on."""
+        pc = getattr(getattr(self.engine, "reuse", None), "cache", None)
+        if inp.messages is None or pc is None or pc.trimmable or not inp.cache_prompt:
+            return []
+        msgs, kwargs = self.chat(inp)
+        n = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
+        if n == 0 or n == len(msgs):
+            return []
+        try:  # a stand-in user turn: many templates refuse a conversation without one
+            other = self.tokenizer.apply_chat_template(msgs[:n] + [{"role": "user", "content": "\u2026"}],
+                                                       add_generation_prompt=True, **kwargs)
+        except Exception:
+            return []
+        k = common_prefix(ids, list(other), len(ids) - 1)
+        return [k] if k >= self.engine.scheduler.min_shared else []
 
     def build(self, inp: GenerationInput) -> Request:
         sampling = inp.sampling or SamplingParams()
@@ -162,7 +187,8 @@ class Gateway:
         ids = self.tokenize(inp)
         slot = self.adapter_slot(inp.adapter)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
-                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot)
+                      ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot,
+                      snapshot_at=self.system_mark(inp, ids))
         req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from mlxb.cache.prefix import PrefixMatch
 from mlxb.engine.allocator import trim_allocator_cache
+from mlxb.engine.scheduler import chunk_end
 from mlxb.request import Request, RequestStatus
 
 
@@ -47,11 +48,24 @@ class PrefixReuse:
 
     def lookup(self, req: Request) -> int:
         """Cached prompt tokens usable by ``req`` (at most all but the last); held until seeded."""
-        m = self.cache.lookup(req.prompt_ids, req.num_prompt_tokens - 1, req.adapter)
+        body = req.num_prompt_tokens - 1
+        m = self.cache.lookup(req.prompt_ids, body, req.adapter)
+        hit = 0 if m is None else m.num_tokens
+        self.mark_shared(req, hit)
         if m is None:
             return 0
         self.hits[req.request_id] = m
-        return m.num_tokens
+        return hit
+
+    def mark_shared(self, req: Request, hit: int) -> None:
+        """Exact snapshots only (recurrent or sliding-window layers): where this prompt leaves the cached
+        prompts it shares a prefix with, beyond the snapshot it hit, its prefill ends a chunk and snapshots,
+        so the next prompt with that prefix (agents with one system prompt) starts from there."""
+        if self.cache.trimmable:
+            return
+        shared = self.cache.shared_prefix(req.prompt_ids, req.num_prompt_tokens - 1, req.adapter)
+        if shared - hit >= self.engine.scheduler.min_shared:
+            req.snapshot_at = sorted({*req.snapshot_at, shared})
 
     # ---- rows --------------------------------------------------------------------------------
     def seed(self, req: Request, n: int) -> list:
@@ -145,8 +159,9 @@ class PrefixReuse:
             if m is not None:
                 cache, pos = pc.lend(m), m.num_tokens
                 req.cached_tokens = pos
+        self.mark_shared(req, pos)
         while pos < body:
-            end = min(pos + eng.prefill_chunk, body)
+            end = chunk_end(pos, min(pos + eng.prefill_chunk, body), req.snapshot_at)
             eng.runner.fwd([row], mx.array(ids[pos:end])[None], cache)
             mx.eval([c.state for c in cache])
             trim_allocator_cache()

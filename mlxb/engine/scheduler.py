@@ -30,6 +30,9 @@ One memory ceiling: ``kv_budget`` covers live rows' projected bytes plus the pro
 bytes (``cache_bytes()``); admission evicts cache entries (``evict_cache(n)``) before it ever
 queues a row for memory.
 
+Snapshot marks: a chunk also ends at each of the request's ``snapshot_at`` prompt lengths (set only where
+the cache keeps exact snapshots), so a later prompt that shares that prefix finds a snapshot there.
+
 A request that can never fit (over the context limit, or over the budget alone) is rejected when
 it is added, never left to block the queue. Running rows are never evicted for memory.
 """
@@ -174,7 +177,7 @@ class Scheduler:
             i += 1
             # NOTE: the last prompt token is held back; the runner feeds it as an L=1 step.
             pos, body = self.prefill_pos[req.request_id], req.num_prompt_tokens - 1
-            end = min(pos + min(budget, self.prefill_chunk), body)
+            end = chunk_end(pos, min(pos + min(budget, self.prefill_chunk), body), req.snapshot_at)
             is_last = end >= body
             out.prefills.append(PrefillChunk(req.request_id, pos, end, is_last, first=req.request_id in out.admitted))
             budget -= (end - pos) + (1 if is_last else 0)
@@ -249,6 +252,12 @@ class Scheduler:
 
     def row_index(self, request_id: str) -> int:
         return next(i for i, r in enumerate(self.running) if r.request_id == request_id)
+
+
+def chunk_end(pos: int, end: int, marks) -> int:
+    """A prefill chunk from ``pos`` ends at ``end``, or earlier at the first snapshot mark inside it."""
+    inside = [m for m in marks if pos < m < end]
+    return min(inside) if inside else end
 
 
 def common_prefix(a, b, limit: int) -> int:

@@ -13,7 +13,7 @@ from mlxb.server.app import create_app
 class LiveServer:
     def __init__(self, **kw):
         api_key = kw.pop("api_key", None)
-        self.gw = build_gateway("tiny-llama", **kw)
+        self.gw = build_gateway(kw.pop("model", "tiny-llama"), **kw)
         self.app = create_app(self.gw, api_key=api_key, max_body_bytes=64 * 1024)
         s = socket.socket()
         s.bind(("127.0.0.1", 0))

@@ -84,3 +84,33 @@ def test_no_prompt_cache_turns_it_off(tmp_path):
             assert c.get("/stats").json()["prompt_cache"] == {"enabled": False}
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3.5", "tiny-gemma3"])
+def test_exact_snapshot_models_reuse_a_system_prompt_from_the_first_agent_on(model, tmp_path):
+    """Recurrent (qwen3.5) and sliding-window (gemma3) layers reuse only exact snapshot lengths. The gateway
+    marks where the system messages end (the prefix this chat shares with any other user turn), the first
+    agent's prefill snapshots there, and the second agent, with another question, starts from it. Through
+    the ``openai`` SDK. The mark is the common prefix of the two agents' prompts, not past it."""
+    from openai import OpenAI
+
+    from mlxb.engine.gateway import GenerationInput
+
+    srv = LiveServer(model=model, batch=4, default_max_tokens=6, prompt_cache_dir=str(tmp_path), prefill_chunk=2048)
+    try:
+        gw = srv.gw
+        msgs = lambda q: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        a, b = gw.tokenize(GenerationInput(messages=msgs("write a parser"))), gw.tokenize(
+            GenerationInput(messages=msgs("now write tests for it")))
+        shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        mark = gw.system_mark(GenerationInput(messages=msgs("write a parser")), a)
+        assert mark and 32 <= mark[0] <= shared
+        assert gw.system_mark(GenerationInput(messages=msgs("x"), cache_prompt=False), a) == []
+        assert gw.system_mark(GenerationInput(messages=[{"role": "user", "content": "hi " * 50}]), a) == []
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
+        first = client.chat.completions.create(model=gw.model_name, messages=msgs("write a parser"), max_tokens=4)
+        second = client.chat.completions.create(model=gw.model_name, messages=msgs("now write tests for it"), max_tokens=4)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.usage.prompt_tokens_details.cached_tokens == mark[0]
+    finally:
+        srv.stop()

@@ -259,3 +259,50 @@ def ask_in_turn(eng, batch):
     finally:
         eng.shutdown()
     return got
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-gemma3"])
+@pytest.mark.parametrize("batch", [3, 1])
+def test_exact_snapshot_models_snapshot_where_prompts_part(name, batch, tiny_models):
+    """Agents that share a system prompt but arrive one after another, on a model whose cache keeps exact
+    snapshots only (recurrent / sliding-window layers) and a chunk longer than the prompts: the second
+    prompt's prefill ends a chunk where it leaves the first (a snapshot mark), so the third starts from
+    there. Tokens equal the cache-off run; with the marks ignored (planted) the third finds nothing."""
+    model, tok, _, _ = tiny_models(name)
+    rng = np.random.default_rng(7)
+    system = rng.integers(3, 8000, size=100).tolist()
+    prompts = [system + [11 + i] + rng.integers(3, 8000, size=9).tolist() for i in range(3)]
+
+    def run(cache, marks=True):
+        eng = Engine(model, tok, max_batch=batch, prefill_chunk=256)
+        if cache:
+            eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+            if not marks:
+                eng.reuse.mark_shared = lambda req, hit: None
+        eng.start()
+        out = []
+        try:
+            for i, p in enumerate(prompts):  # one at a time: no burst shares a prefill
+                r = Request(f"a{i}", p, 8)
+                r.mechanism = "continuous" if batch > 1 else "serial"
+                st = OutputStream(r.request_id)
+                eng.submit(r, st)
+                recs = list(st)
+                assert recs[-1].error is None, recs[-1].error
+                out.append(([o.token for o in recs if o.token is not None], r.cached_tokens, list(r.snapshot_at)))
+        finally:
+            eng.shutdown()
+        return out
+
+    off, on, unmarked = run(False), run(True), run(True, marks=False)
+    assert not eng_trimmable(model)
+    assert [t for t, _, _ in on] == [t for t, _, _ in off]
+    assert on[1][2] == [100] and on[1][1] == 0  # the second marks where it leaves the first
+    assert on[2][1] == 100  # the third starts from that snapshot
+    assert [c for _, c, _ in unmarked] == [0, 0, 0]
+
+
+def eng_trimmable(model) -> bool:
+    from mlxb.cache.protocol import layer_kinds
+
+    return all(k in ("full", "latent") for k in layer_kinds(model))
