@@ -190,9 +190,10 @@ class MultiLoRALinear(nn.Module):
         """Three ops per projection, whatever the mix: ``x @ A_all`` (every adapter's shrink at once),
         times the rows' mask, added through ``addmm`` with ``B_all``; one op less when every row uses
         one adapter. Not mlx-lm's rounding (factors in the base's dtype, the scale folded into B), so
-        it is the CUDA default only, where per-op cost dominates a decode step (the exact path took
-        about nine ops per projection there) and where the batched LoRA matmuls were not bit-exact
-        anyway; ``MLXB_LORA_PATH=exact`` restores the exact path."""
+        it is CUDA's default only for what the concat path does not take (quantized layers, --tp), where
+        per-op cost dominates a decode step (the exact path took about nine ops per projection there) and
+        where the batched LoRA matmuls were not bit-exact anyway; ``MLXB_LORA_PATH=exact`` restores the
+        exact path."""
         if one is not None:
             a, b = self._one[one]
             return mx.addmm(y, self._sum(x @ a), b)
@@ -215,8 +216,9 @@ def _compute_dtype(base):
 
 def _path_for(cuda: bool, stacked_rank: int, out_dim: int, path: Optional[str] = None, rank: int = 0,
               unsharded: bool = True) -> str:
-    """How one projection computes its rows' deltas: exact | stacked | fused. ``path`` (``--lora-path``; when
-    not given, ``MLXB_LORA_PATH``, else auto). auto takes the stacked path on CUDA while all adapters' ranks
+    """How one projection the concat groups did not take computes its rows' deltas: exact | stacked | fused.
+    ``path`` (``--lora-path``; when not given, ``MLXB_LORA_PATH``, else auto; concat counts as auto here). auto
+    takes the stacked path on CUDA while all adapters' ranks
     together stay under a quarter of the layer's outputs (so the extra factor reads stay small), else the exact
     path. ``fused`` (``mlxb.kernels.lora_fused``) is asked for by name only: on the H200 it was not reliably
     faster than stacked in the engine (README, LoRA); it needs CUDA and passes a device check at install, and a
