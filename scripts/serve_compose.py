@@ -53,7 +53,7 @@ def main() -> int:
         sp = eng.get("speculation") or {}
         print("speculation", json.dumps({k: sp.get(k) for k in ("pipeline", "verify_steps", "drafted", "accepted", "pipelined_kept",
                                                                 "pipelined_dropped", "pipelined_cancelled")}))
-        if "lora" in eng:
+        if eng.get("lora"):
             print("lora_path", eng["lora"].get("lora_path"))
         pc = httpx.get(f"{base}/stats").json().get("prompt_cache") or {}
         print("prompt cache", json.dumps({k: pc.get(k) for k in ("lookups", "hits", "cached_tokens")}))
