@@ -139,7 +139,7 @@ class PromptCache:
                                  save=write_payload, prepare=prepare_payload)
         self._shapes = self._probe_shapes(model)
         self.counters = {"lookups": 0, "hits": 0, "misses": 0, "cached_tokens": 0, "inserts": 0,
-                         "ram_hits": 0, "ssd_hits": 0}
+                         "ram_hits": 0, "ssd_hits": 0, "mark_snapshots": 0}
 
     def _probe_shapes(self, model) -> list:
         from mlx_lm.models.cache import make_prompt_cache

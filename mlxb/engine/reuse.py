@@ -91,6 +91,7 @@ class PrefixReuse:
             return
         key = tuple(row.req.prompt_ids[:chunk.end])
         entry = pc.put(key, row.solo, adapter=row.req.adapter)
+        pc.counters["mark_snapshots"] += chunk.end in row.req.snapshot_at
         if chunk.shared:
             self.fresh[key] = entry
         self.respect_budget()
@@ -168,6 +169,7 @@ class PrefixReuse:
             pos = end
             if not pc.trimmable or pos == body:
                 pc.put(ids[:pos], cache, adapter=req.adapter)
+                pc.counters["mark_snapshots"] += pos in req.snapshot_at
                 self.respect_budget()
         return cache, body
 

@@ -290,11 +290,14 @@ def test_exact_snapshot_models_snapshot_where_prompts_part(name, batch, tiny_mod
                 recs = list(st)
                 assert recs[-1].error is None, recs[-1].error
                 out.append(([o.token for o in recs if o.token is not None], r.cached_tokens, list(r.snapshot_at)))
+            if cache:
+                out.append(eng.prompt_cache_stats()["mark_snapshots"])
         finally:
             eng.shutdown()
         return out
 
     off, on, unmarked = run(False), run(True), run(True, marks=False)
+    assert on.pop() == 1 and unmarked.pop() == 0  # /stats counts the snapshot the mark took
     assert not eng_trimmable(model)
     assert [t for t, _, _ in on] == [t for t, _, _ in off]
     assert on[1][2] == [100] and on[1][1] == 0  # the second marks where it leaves the first
