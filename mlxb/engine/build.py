@@ -229,7 +229,8 @@ def use_fused_projections(model, adapters: bool = False, tp: bool = False, compi
     from mlxb.errors import ValidationError
     from mlxb.models.fuse import fuse
 
-    for on, what in ((adapters, "--adapters (the adapters wrap the separate projections)"),
+    for on, what in ((adapters, "--adapters (the adapters wrap the separate projections; --lora-path concat, CUDA's "
+                                "default, fuses the adapted groups itself)"),
                      (tp, "--tp (each rank shards the separate projections)"),
                      (compiled, "--compile-decode / --compile-batch")):
         if on:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,6 +54,7 @@ class Gateway:
     def __init__(self, engine: Engine, tokenizer, *, model_name: str, default_max_tokens: int = 512,
                  chat_template: Optional[str] = None):
         self.engine, self.tokenizer = engine, tokenizer
+        self._system_prefixes: OrderedDict = OrderedDict()  # system messages + template args -> their prefix tokens
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
@@ -161,12 +164,20 @@ class Gateway:
         n = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
         if n == 0 or n == len(msgs):
             return []
-        try:  # a stand-in user turn: many templates refuse a conversation without one
-            other = self.tokenizer.apply_chat_template(msgs[:n] + [{"role": "user", "content": "\u2026"}],
-                                                       add_generation_prompt=True, **kwargs)
-        except Exception:
-            return []
-        k = common_prefix(ids, list(other), len(ids) - 1)
+        key = json.dumps([msgs[:n], kwargs], sort_keys=True, default=str)
+        prefix = self._system_prefixes.get(key)  # agents resend one system prompt: render it once
+        if prefix is None or ids[:len(prefix)] != prefix:
+            try:  # a stand-in user turn: many templates refuse a conversation without one
+                other = self.tokenizer.apply_chat_template(msgs[:n] + [{"role": "user", "content": "\u2026"}],
+                                                           add_generation_prompt=True, **kwargs)
+            except Exception:
+                return []
+            prefix = list(ids[:common_prefix(ids, list(other), len(ids) - 1)])
+            self._system_prefixes[key] = prefix
+            while len(self._system_prefixes) > 64:
+                self._system_prefixes.popitem(last=False)
+        self._system_prefixes.move_to_end(key)
+        k = min(len(prefix), len(ids) - 1)
         return [k] if k >= self.engine.scheduler.min_shared else []
 
     def build(self, inp: GenerationInput) -> Request:

@@ -61,10 +61,11 @@ class PrefixReuse:
         """Exact snapshots only (recurrent or sliding-window layers): where this prompt leaves the cached
         prompts it shares a prefix with, beyond the snapshot it hit, its prefill ends a chunk and snapshots,
         so the next prompt with that prefix (agents with one system prompt) starts from there."""
-        if self.cache.trimmable:
+        body, least = req.num_prompt_tokens - 1, self.engine.scheduler.min_shared
+        if self.cache.trimmable or body - hit < least:  # no room for a mark: skip the trie walk (5 ms at 32k tokens)
             return
-        shared = self.cache.shared_prefix(req.prompt_ids, req.num_prompt_tokens - 1, req.adapter)
-        if shared - hit >= self.engine.scheduler.min_shared:
+        shared = self.cache.shared_prefix(req.prompt_ids, body, req.adapter)
+        if shared - hit >= least:
             req.snapshot_at = sorted({*req.snapshot_at, shared})
 
     # ---- rows --------------------------------------------------------------------------------

@@ -105,6 +105,14 @@ def test_exact_snapshot_models_reuse_a_system_prompt_from_the_first_agent_on(mod
         shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         mark = gw.system_mark(GenerationInput(messages=msgs("write a parser")), a)
         assert mark and 32 <= mark[0] <= shared
+        calls, real = [], gw.tokenizer.apply_chat_template
+        gw.tokenizer.apply_chat_template = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:  # the same system prompt again: its prefix is remembered, not rendered anew
+            assert gw.system_mark(GenerationInput(messages=msgs("now write tests for it")), b) == mark and not calls
+            gw._system_prefixes.clear()  # the control: forgotten, it is rendered again
+            assert gw.system_mark(GenerationInput(messages=msgs("now write tests for it")), b) == mark and calls
+        finally:
+            gw.tokenizer.apply_chat_template = real
         assert gw.system_mark(GenerationInput(messages=msgs("x"), cache_prompt=False), a) == []
         assert gw.system_mark(GenerationInput(messages=[{"role": "user", "content": "hi " * 50}]), a) == []
         client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused")
