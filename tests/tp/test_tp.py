@@ -367,3 +367,42 @@ def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
         if proc.poll() is None:
             proc.kill()
     assert _one_process(flags, asks, 32) == texts
+
+
+@SLOW
+def test_tp2_snapshot_marks_on_a_recurrent_model_same_as_one_process(tmp_path):
+    """tiny-qwen3.5 (recurrent layers: exact snapshots only) served sharded: chats that share a system prompt, one
+    after another. The gateway's system mark makes rank 0 and the follower snapshot there, so the second chat
+    reuses the system prompt; text and cached-token counts equal one process's, and both count one mark."""
+    system = "You are a careful coding agent working in a large repository. " * 12
+
+    def chats(url):
+        out = []
+        for q in ("List the files.", "Read main.py.", "List the files."):
+            r = httpx.post(url + "/v1/chat/completions", json={
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                "max_tokens": 10, "temperature": 0, "ignore_eos": True}, timeout=120)
+            assert r.status_code == 200, r.text
+            j = r.json()
+            out.append((j["choices"][0]["message"]["content"], j["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        return out, httpx.get(url + "/stats").json()["prompt_cache"]["mark_snapshots"]
+
+    port = free_port()
+    proc, url = _start(port, "-m", "tiny-qwen3.5", "--prompt-cache-dir", str(tmp_path / "tp"))
+    try:
+        sharded = chats(url)
+        _stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    port1 = free_port()
+    one = subprocess.Popen(MLXB + ["serve", "-m", "tiny-qwen3.5", "--port", str(port1), "--prompt-cache-dir",
+                                   str(tmp_path / "one")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        single = chats(wait_healthy(one, port1))
+    finally:
+        one.send_signal(signal.SIGTERM)
+        one.wait(timeout=30)
+    cached, marks = [c for _, c in sharded[0]], sharded[1]
+    assert cached[0] == 0 and cached[1] > 200 and marks == 1
+    assert sharded == single
