@@ -121,6 +121,11 @@ class Gateway:
             bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
 
     def tokenize(self, inp: GenerationInput) -> list[int]:
+        return self.tokenize_with_chat(inp)[0]
+
+    def tokenize_with_chat(self, inp: GenerationInput) -> tuple[list[int], Optional[tuple]]:
+        """The prompt's token ids, and for a chat its messages and template arguments (``chat``)."""
+        chat = None
         given = [x is not None for x in (inp.messages, inp.prompt, inp.prompt_ids)]
         if sum(given) != 1:
             raise ValidationError("give exactly one of messages, prompt or prompt token ids", param="messages")
@@ -133,14 +138,14 @@ class Gateway:
                 raise ValidationError("prompt must be a string", param="prompt")
             ids = self.tokenizer.encode(inp.prompt)
         else:
-            msgs, kwargs = self.chat(inp)
+            chat = msgs, kwargs = self.chat(inp)
             try:
                 ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
             except Exception as e:
                 raise ValidationError(f"the chat template failed on these messages: {e}", param="messages") from None
         if not ids:
             raise ValidationError("the prompt is empty after tokenization", param="prompt")
-        return list(ids)
+        return list(ids), chat
 
     def chat(self, inp: GenerationInput) -> tuple[list, dict]:
         """The messages and the chat template's arguments (template override, tools, request kwargs)."""
@@ -152,7 +157,7 @@ class Gateway:
             kwargs["tools"] = tools
         return normalize_messages(inp.messages), kwargs
 
-    def system_mark(self, inp: GenerationInput, ids: list[int]) -> list[int]:
+    def system_mark(self, inp: GenerationInput, ids: list[int], chat: Optional[tuple] = None) -> list[int]:
         """Where the leading system (and developer) messages' tokens end, as far as the template shows it:
         the common prefix of this prompt with the same system part followed by another user message. Only
         for a prompt cache of exact snapshots (recurrent or sliding-window layers), whose prefill then
@@ -160,7 +165,7 @@ class Gateway:
         pc = getattr(getattr(self.engine, "reuse", None), "cache", None)
         if inp.messages is None or pc is None or pc.trimmable or not inp.cache_prompt:
             return []
-        msgs, kwargs = self.chat(inp)
+        msgs, kwargs = chat or self.chat(inp)
         n = next((i for i, m in enumerate(msgs) if m.get("role") not in ("system", "developer")), len(msgs))
         if n == 0 or n == len(msgs):
             return []
@@ -195,11 +200,11 @@ class Gateway:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32):
             raise ValidationError("num_draft_tokens must be an integer from 0 (no speculation) to 32",
                                   param="num_draft_tokens")
-        ids = self.tokenize(inp)
+        ids, chat = self.tokenize_with_chat(inp)
         slot = self.adapter_slot(inp.adapter)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
                       ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot,
-                      snapshot_at=self.system_mark(inp, ids))
+                      snapshot_at=self.system_mark(inp, ids, chat))
         req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)

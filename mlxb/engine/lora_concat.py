@@ -23,8 +23,6 @@ cannot take the factors' rows unchanged): others keep the per-projection path.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -43,8 +41,8 @@ class _CatGroup:
         self.ctx = ctx
         W = mx.concatenate([m.weight for m in layers], axis=0) if len(layers) > 1 else layers[0].weight
         dt, O = W.dtype, W.shape[0]
-        sizes = [m.weight.shape[0] for m in layers]
-        self.bounds = [(sum(sizes[:j]), sum(sizes[: j + 1])) for j in range(len(sizes))]
+        self._split = _Group([m.weight.shape[0] for m in layers])  # one product for the parts fed the same input
+        self.bounds = self._split.bounds
         touched = [j for j, f in enumerate(factors) if f is not None]
         n, r, k = len(scales), rank, len(touched)
         self.O, self.width = O, k * r  # each adapter's columns of z: one rank block per touched part
@@ -79,7 +77,6 @@ class _CatGroup:
         self.b_one = [self.b[i * self.width : (i + 1) * self.width] for i in range(n)]
         for m in [cat, self.base] + self.views:
             m.freeze()
-        self._split = _Group(sizes)
 
     def tensors(self) -> list:
         return [self.cat.weight, self.b] + self.b_one + [v.weight for v in self.views] + [self.base.weight]
@@ -101,7 +98,7 @@ class _CatGroup:
             return self.views[0](x) if self.ctx.ids is None else self.forward(x)
         if x.size == x.shape[-1] and self.ctx.ids is None:  # a lone row without an adapter: its part's own rows
             return self.views[j](x)
-        return self._split.part(self.forward, x, j)  # one product for the parts fed the same input
+        return self._split.part(self.forward, x, j)
 
 
 class CatLoRAPart(nn.Module):

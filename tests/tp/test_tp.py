@@ -95,26 +95,6 @@ def test_tp2_parity_spec_case_verify_steps_on_every_rank(fault):
     assert [(r["case"], r["steps"]) for r in d["results"]] == [("tiny-llama spec-b1", 26), ("tiny-llama spec-b4", 89)]
 
 
-@SLOW
-@pytest.mark.parametrize("model,fault", [("tiny-llama", None), ("tiny-qwen3.5", None), ("tiny-llama", "prefix_off_by_one")])
-def test_tp2_parity_prefix_case_prompt_cache_mirrored_on_every_rank(model, fault):
-    """The prefix case sharded: multi-turn reuse, a leader's snapshot continued by a cohort, cached
-    prefixes of different lengths, each rank lending from its own copy of rank 0's entries. tiny-llama
-    stores finished rows (extracted before the filter), tiny-qwen3.5 (recurrent layers: exact lengths)
-    its cohort rows' snapshots. The cached-token counts must equal the plan's; a planted off-by-one fails."""
-    extra = ["--plant-fault", fault] if fault else []
-    p = subprocess.run(LAUNCH + MLXB + ["parity", "-m", model, "--tp", "2", "--b", "3", "--case", "prefix",
-                                        "--against", "live", "--json", *extra],
-                       capture_output=True, text=True, timeout=300, env=ENV)
-    d = _json(p.stdout)
-    r = d["results"][0]
-    assert r["case"] == f"{model} prefix-b3" and r["steps"] == 49 and r["error"] is None
-    if fault:
-        assert not d["ok"] and any(row["first_divergence"] for row in r["rows"])
-    else:
-        assert d["ok"] and r["schedule_mismatch"] is None, json.dumps(d)[:1500]
-
-
 def _rank_pids(port: int) -> dict[int, int]:
     """rank -> pid of the processes serving on ``port``."""
     out = {}
@@ -142,16 +122,28 @@ def _start(port: int, *extra: str):
 PROMPTS = [(None, "The capital of"), (None, "def fib(n):"), (None, "Once upon a time"), (None, "1, 2, 3, 4,")]
 
 
-def _one_process(flags: list, asks, max_tokens: int) -> list[str]:
-    """The same staggered requests against one process (no --tp) started with ``flags``."""
+def _one_process(flags: list, run):
+    """``run(url)`` against one process (no --tp) started with ``flags``, stopped afterwards."""
     port = free_port()
     one = subprocess.Popen(MLXB + ["serve", "--port", str(port), *flags], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=ENV)
     try:
-        return _staggered(wait_healthy(one, port), asks, max_tokens)
+        return run(wait_healthy(one, port))
     finally:
         one.send_signal(signal.SIGTERM)
         one.wait(timeout=30)
+
+
+def _sharded(flags: list, run):
+    """``run(url)`` against ``serve --tp 2`` started with ``flags``, then a clean stop of every rank."""
+    proc, url = _start(free_port(), *flags)
+    try:
+        out = run(url)
+        _stop(proc)
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _staggered(url: str, asks=PROMPTS, max_tokens: int = 24) -> list[str]:
@@ -209,24 +201,8 @@ def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank(tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
-    port1 = free_port()
-    one = subprocess.Popen(MLXB + ["serve", "--port", str(port1), "--prompt-cache-dir", str(tmp_path)],  # a fresh SSD tier
-                           stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=ENV)
-    try:
-        url1 = wait_healthy(one, port1)
-        assert _staggered(url1) == texts
-        assert _one_by_one(url1) == agents  # the same text and the same cached-token counts
-    finally:
-        one.send_signal(signal.SIGTERM)
-        one.wait(timeout=30)
-
-
-def _ask(url: str, task: str) -> tuple:
-    r = httpx.post(url + "/v1/completions", json={"prompt": SYSTEM + task, "max_tokens": 12, "temperature": 0,
-                                                  "ignore_eos": True}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    # a fresh SSD tier; the same text and the same cached-token counts
+    assert _one_process(["--prompt-cache-dir", str(tmp_path)], lambda u: (_staggered(u), _one_by_one(u))) == (texts, agents)
 
 
 def _stop(proc) -> str:
@@ -234,48 +210,6 @@ def _stop(proc) -> str:
     os.kill(ranks[0], signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     return proc.stdout.read()
-
-
-@SLOW
-def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
-    """--tp 2 with the SSD tier: a graceful stop writes each rank's shard of every RAM entry under the same
-    name in its own folder; a restart of both ranks serves the shared system prompt from disk with the
-    same text; with rank 1's shards corrupted, the ranks agree on a miss (same text, nothing cached,
-    rank 0 drops its file) instead of one rank serving a prefix the other lacks."""
-    d = tmp_path / "ssd"
-    proc, url = _start(free_port(), "--prompt-cache-dir", str(d))
-    try:
-        agents = _one_by_one(url)
-        _stop(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    names = [sorted(p.relative_to(d / f"tp2-rank{r}") for p in (d / f"tp2-rank{r}").glob("*/*.safetensors"))
-             for r in (0, 1)]
-    assert names[0] and names[0] == names[1]
-    assert len(list((d / "tp2-rank1").glob("*/*.json"))) == len(names[1])  # each shard's header, written last
-    proc, url = _start(free_port(), "--prompt-cache-dir", str(d))
-    try:
-        text, cached = _ask(url, "List the files.")
-        assert text == agents[0][0] and cached > 100
-        pc = httpx.get(url + "/stats").json()["prompt_cache"]
-        assert pc["ssd_hits"] >= 1 and pc["ssd_restores"] >= 1
-        _stop(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    for p in (d / "tp2-rank1").glob("*/*.safetensors"):
-        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
-    proc, url = _start(free_port(), "--prompt-cache-dir", str(d))
-    try:
-        text, cached = _ask(url, "List the files.")
-        assert text == agents[0][0] and cached == 0
-        assert httpx.get(url + "/stats").json()["prompt_cache"]["ssd_corrupt_skipped"] >= 1
-        assert _ask(url, "List the files.") == (text, agents[2][1])  # the RAM tier, mirrored, still works
-        _stop(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @SLOW
@@ -296,7 +230,7 @@ def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path)
     finally:
         os.kill(_rank_pids(port)[0], signal.SIGTERM)
         proc.wait(timeout=60)
-    assert _one_process(["--no-prompt-cache", *flag], asks, 16) == texts
+    assert _one_process(["--no-prompt-cache", *flag], lambda u: _staggered(u, asks, 16)) == texts
 
 
 def test_tp2_hung_rank_shows_in_health_and_rank0_exits_nonzero():
@@ -366,43 +300,4 @@ def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert _one_process(flags, asks, 32) == texts
-
-
-@SLOW
-def test_tp2_snapshot_marks_on_a_recurrent_model_same_as_one_process(tmp_path):
-    """tiny-qwen3.5 (recurrent layers: exact snapshots only) served sharded: chats that share a system prompt, one
-    after another. The gateway's system mark makes rank 0 and the follower snapshot there, so the second chat
-    reuses the system prompt; text and cached-token counts equal one process's, and both count one mark."""
-    system = "You are a careful coding agent working in a large repository. " * 12
-
-    def chats(url):
-        out = []
-        for q in ("List the files.", "Read main.py.", "List the files."):
-            r = httpx.post(url + "/v1/chat/completions", json={
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
-                "max_tokens": 10, "temperature": 0, "ignore_eos": True}, timeout=120)
-            assert r.status_code == 200, r.text
-            j = r.json()
-            out.append((j["choices"][0]["message"]["content"], j["usage"]["prompt_tokens_details"]["cached_tokens"]))
-        return out, httpx.get(url + "/stats").json()["prompt_cache"]["mark_snapshots"]
-
-    port = free_port()
-    proc, url = _start(port, "-m", "tiny-qwen3.5", "--prompt-cache-dir", str(tmp_path / "tp"))
-    try:
-        sharded = chats(url)
-        _stop(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    port1 = free_port()
-    one = subprocess.Popen(MLXB + ["serve", "-m", "tiny-qwen3.5", "--port", str(port1), "--prompt-cache-dir",
-                                   str(tmp_path / "one")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
-    try:
-        single = chats(wait_healthy(one, port1))
-    finally:
-        one.send_signal(signal.SIGTERM)
-        one.wait(timeout=30)
-    cached, marks = [c for _, c in sharded[0]], sharded[1]
-    assert cached[0] == 0 and cached[1] > 200 and marks == 1
-    assert sharded == single
+    assert _one_process(flags, lambda u: _staggered(u, asks, 32)) == texts
