@@ -177,6 +177,8 @@ def lora_bench(
                   " ".join(f"{r['mixed_vs_base_' + f]:.3f}" for f in ("min", "median", "max")),
                   " ".join(f"{r['one_vs_fused_' + f]:.3f}" for f in ("min", "median", "max")))
     console.print(t)
+    c = res["config"]
+    console.print(f"LoRA path: {c['lora_path']}" + (f", one-launch expand: {c['concat_kernel']}" if c["lora_path"] == "concat" else ""))
     _write(res, "lora", spec, out)
 
 

@@ -243,17 +243,26 @@ for r in d['results']:
       > "$OUT/parity-lora-live.json" 2> "$OUT/parity-lora.err"; echo "parity rc=$?"; tail -3 "$OUT/parity-lora.err"
     python3 -c "import json; d=json.load(open('$OUT/parity-lora-live.json')); r=d['results']
 print('lora parity', d['ok'], len(r), sum(x['exact'] for x in r), [x['case']+' '+x['against'] for x in r if not x['ok']])" ;;
-  lora)  # per-row LoRA on CUDA: one decode forward per path (stacked / fused), then bench lora per path
+  lora)  # per-row LoRA on CUDA: one decode forward per path (stacked / fused / concat), then bench lora per path;
+    # CATK="0 auto": the concat path without and with its one-launch expand (MLXB_LORA_CAT_KERNEL), files suffixed -k0/-kauto;
+    # PARITY=1 first runs the lora parity case on tiny-llama per CATK value (concat forced)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-    for p in ${PATHS:-stacked fused}; do
-      MLXB_LORA_PATH=$p timeout 150 python3 scripts/lora_cost.py /var/tmp/$m ${B:-8} 16 2>&1 | grep -v Warning > "$OUT/lora-cost-$p.txt"
-      echo "$p rc=$?"; cat "$OUT/lora-cost-$p.txt"
-    done
-    for p in ${BENCH_PATHS:-stacked fused}; do
-      timeout ${LIMIT:-200} python3 -m mlxb.commands.main bench lora -m /var/tmp/$m --adapters 4 --rank 16 --batches ${BATCHES:-8,32} \
-        --gen ${GEN:-48} --repeats ${REPEATS:-2} --lora-path $p --out "$OUT/bench-lora-$p.json" > "$OUT/bench-lora-$p.txt" 2>&1
-      echo "bench lora $p rc=$?"; grep -v Warning "$OUT/bench-lora-$p.txt" | tail -12
+    for k in ${CATK:-auto}; do
+      sfx=${CATK:+-k$k}; export MLXB_LORA_CAT_KERNEL=$k
+      [ "${PARITY:-0}" = 1 ] && { MLXB_LORA_PATH=concat timeout 120 python3 -m mlxb.commands.main parity -m tiny-llama --case lora \
+        --against live --b 2,4 --json > "$OUT/parity-lora-concat$sfx.json" 2>/dev/null; echo "parity k=$k rc=$?"
+        python3 -c "import json; d=json.load(open('$OUT/parity-lora-concat$sfx.json')); r=d['results']
+print('lora parity', d['ok'], len(r), sum(x['exact'] for x in r))"; }
+      for p in ${PATHS:-stacked fused}; do
+        MLXB_LORA_PATH=$p timeout 150 python3 scripts/lora_cost.py /var/tmp/$m ${B:-8} 16 2>&1 | grep -v Warning > "$OUT/lora-cost-$p$sfx.txt"
+        echo "$p$sfx rc=$?"; cat "$OUT/lora-cost-$p$sfx.txt"
+      done
+      for p in ${BENCH_PATHS:-stacked fused}; do
+        timeout ${LIMIT:-200} python3 -m mlxb.commands.main bench lora -m /var/tmp/$m --adapters 4 --rank 16 --batches ${BATCHES:-8,32} \
+          --gen ${GEN:-48} --repeats ${REPEATS:-2} --lora-path $p --out "$OUT/bench-lora-$p$sfx.json" > "$OUT/bench-lora-$p$sfx.txt" 2>&1
+        echo "bench lora $p$sfx rc=$?"; grep -v Warning "$OUT/bench-lora-$p$sfx.txt" | tail -12
+      done
     done ;;
   goldens)  # CUDA goldens: every tiny preset x case x B=1..4, fp32 and bf16 (resumable: existing files are kept)
     key=$(python3 -c 'from mlxb.doctor import machine_key; print(machine_key())')

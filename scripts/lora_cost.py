@@ -43,6 +43,7 @@ def main():
         for c in cache:
             c.trim(1)
 
+    print(f"LoRA path {ctx.path}, concat kernel {ctx.cat_kernel} ({ctx.cat_kernel_off})", flush=True)
     arms = {"base": [-1] * B, "one": [0] * B, "mixed": [i % 4 for i in range(B)], "half": [0 if i % 2 else -1 for i in range(B)]}
     for name, slots in arms.items():
         ctx.set(slots)

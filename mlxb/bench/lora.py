@@ -90,6 +90,6 @@ def run(source: str, *, adapters: int = 4, rank: int = 8, batches=(8, 32), conte
                         **{f"{q}_{f.__name__}": f(r[q] for r in rs) for q in ("mixed_vs_base", "one_vs_fused")
                            for f in (min, statistics.median, max)}})
     return {"rows": rows, "summary": summary,
-            "config": {"lora_path": ctx.path, "adapters": adapters, "rank": rank, "batches": list(batches), "context": context, "gen": gen,
+            "config": {"lora_path": ctx.path, "concat_kernel": ctx.cat_kernel, "adapters": adapters, "rank": rank, "batches": list(batches), "context": context, "gen": gen,
                        "repeats": repeats, "prefill_chunk": prefill_chunk, "model": source,
                        "window": "all rows decoding"}}

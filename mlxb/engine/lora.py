@@ -69,13 +69,17 @@ class LoRAContext:
         self.one: Optional[int] = None
         self.rank = 0  # every adapter's factors padded to this rank (install)
         self.path = "exact"  # "stacked" / "fused" / "concat" where any projection takes that path (install)
+        self.cat_kernel = False  # the concat path's expand runs in one CUDA launch (mlxb.kernels.lora_cat)
+        self.cat_kernel_off: Optional[str] = None  # why not, where the concat path runs on CUDA without it
         self._slots: list[int] = []
         self._masks: dict = {}
 
     def stats(self) -> dict:
         return {"adapters": [{"name": n, "path": self.paths.get(n), "scale": s, "sha256": d}
                              for n, s, d in zip(self.names, self.scales, self.digests)],
-                "lora_path": self.path}
+                "lora_path": self.path,
+                **({"concat_kernel": self.cat_kernel, "concat_kernel_off": self.cat_kernel_off}
+                   if self.path == "concat" else {})}
 
     def slot(self, name: Optional[str]) -> int:
         return -1 if name is None else self.names.index(name)
@@ -259,6 +263,23 @@ def _fused_checked() -> bool:
 LORA_PATHS = ("auto", "exact", "stacked", "fused", "concat")
 
 
+def _cat_kernel(cuda: bool) -> tuple[bool, Optional[str]]:
+    """Whether the concat path takes its one-launch expand: on CUDA unless ``MLXB_LORA_CAT_KERNEL=0``, and only
+    once the kernel passed its device check in this process (a failure keeps the ``addmm`` and says why in
+    ``/stats``)."""
+    from mlxb.kernels import lora_cat
+
+    if not cuda:
+        return False, None
+    if not lora_cat.available():
+        return False, "MLXB_LORA_CAT_KERNEL=0"
+    try:
+        lora_cat.self_check()
+    except ValueError as e:
+        return False, str(e)
+    return True, None
+
+
 def _pad_rank(la: mx.array, lb: mx.array, r: int) -> tuple[mx.array, mx.array]:
     """One adapter's factors padded with zeros to rank ``r`` (A's columns, B's rows)."""
     a = mx.pad(la, [(0, 0), (0, r - la.shape[1])]) if la.shape[1] < r else la
@@ -325,6 +346,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     if want == "concat" or (want == "auto" and cuda and not sharded):  # auto: concat on CUDA (README, LoRA)
         from mlxb.engine.lora_concat import install_groups
 
+        ctx.cat_kernel, ctx.cat_kernel_off = _cat_kernel(cuda)
         concat = install_groups(model, ctx, adapters, paths, r, lambda la, lb: _pad_rank(la, lb, r))
         ctx.path = "concat" if concat else ctx.path
     mtype = getattr(getattr(model, "args", None), "model_type", None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxb.kernels import lora_cat
 from mlxb.models.fuse import GROUPS, _Group
 
 
@@ -75,17 +76,24 @@ class _CatGroup:
                 v.bias = cat.bias[s:e]
             self.views.append(v)
         self.b_one = [self.b[i * self.width : (i + 1) * self.width] for i in range(n)]
+        self.bp = self.zoff = None  # the one-launch expand's factors (CUDA, ``ctx.cat_kernel``)
+        if ctx.cat_kernel:
+            self.bp, self.zoff = lora_cat.factors([f[1] if f is not None else None for f in factors], self.bounds,
+                                                  scales, O, dt)
         for m in [cat, self.base] + self.views:
             m.freeze()
 
     def tensors(self) -> list:
-        return [self.cat.weight, self.b] + self.b_one + [v.weight for v in self.views] + [self.base.weight]
+        kernel = [self.bp, self.zoff] if self.bp is not None else []
+        return [self.cat.weight, self.b] + self.b_one + [v.weight for v in self.views] + [self.base.weight] + kernel
 
     def forward(self, x: mx.array) -> mx.array:
         ctx = self.ctx
         if ctx.ids is None:
             return self.base(x)
         out = self.cat(x)
+        if self.bp is not None and out.size // out.shape[-1] <= lora_cat.MAX_ROWS:  # the expand in one launch
+            return lora_cat.expand(out, self.bp, self.zoff, ctx.row_slots(x), self.width)
         z, w, one = out[..., self.O :], self.width, ctx.one
         if one is not None:
             out = mx.addmm(out, z[..., one * w : (one + 1) * w], self.b_one[one])
