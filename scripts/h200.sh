@@ -254,11 +254,11 @@ print('lora parity', d['ok'], len(r), sum(x['exact'] for x in r), [x['case']+' '
         --against live --b 2,4 --json > "$OUT/parity-lora-concat$sfx.json" 2>/dev/null; echo "parity k=$k rc=$?"
         python3 -c "import json; d=json.load(open('$OUT/parity-lora-concat$sfx.json')); r=d['results']
 print('lora parity', d['ok'], len(r), sum(x['exact'] for x in r))"; }
-      for p in ${PATHS:-stacked fused}; do
+      for p in ${PATHS-stacked fused}; do
         MLXB_LORA_PATH=$p timeout 150 python3 scripts/lora_cost.py /var/tmp/$m ${B:-8} 16 2>&1 | grep -v Warning > "$OUT/lora-cost-$p$sfx.txt"
         echo "$p$sfx rc=$?"; cat "$OUT/lora-cost-$p$sfx.txt"
       done
-      for p in ${BENCH_PATHS:-stacked fused}; do
+      for p in ${BENCH_PATHS-stacked fused}; do
         timeout ${LIMIT:-200} python3 -m mlxb.commands.main bench lora -m /var/tmp/$m --adapters 4 --rank 16 --batches ${BATCHES:-8,32} \
           --gen ${GEN:-48} --repeats ${REPEATS:-2} --lora-path $p --out "$OUT/bench-lora-$p$sfx.json" > "$OUT/bench-lora-$p$sfx.txt" 2>&1
         echo "bench lora $p$sfx rc=$?"; grep -v Warning "$OUT/bench-lora-$p$sfx.txt" | tail -12
