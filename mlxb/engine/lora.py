@@ -86,6 +86,8 @@ class LoRAContext:
 
     def set(self, slots) -> None:
         slots = list(slots)
+        if slots == self._slots and self._slots:  # a steady batch: keep this forward's arrays (no new host copies)
+            return
         self.ids = mx.array([max(s, 0) for s in slots], dtype=mx.uint32) if any(s >= 0 for s in slots) else None
         # each row's scale; 0 for a row without an adapter (its factors, slot 0's, then add nothing)
         self.row_scale = mx.array([self.scales[s] if s >= 0 else 0.0 for s in slots], dtype=mx.float32)

@@ -31,14 +31,14 @@ MAX_ROWS = int(os.environ.get("MLXB_LORA_CAT_MAX_ROWS", "64"))  # prefill chunks
 
 SOURCE = r"""
   const int c = blockIdx.x * NT + threadIdx.x, row = blockIdx.y;
-  const int O = zoff_shape[0], P = p_shape[1];
+  const int O = zoff_shape[0];  // the product's rows are P wide (a constant: no reshapes around the launch)
   if (c >= O) return;
   const size_t pr = (size_t)row * P;
   const int s = slot[row], zo = zoff[c];
   float acc = static_cast<float>(p[pr + c]);
   if (s >= 0 && zo >= 0) {
     const T* z = p + pr + O + (size_t)s * W + zo;
-    const T* bs = bp + (size_t)s * R * O + c;
+    const auto* bs = bp + (size_t)s * R * O + c;  // the factors keep their own dtype
     float d = 0.f;
 #pragma unroll
     for (int k = 0; k < R; ++k) d += static_cast<float>(z[k]) * static_cast<float>(bs[(size_t)k * O]);
@@ -55,11 +55,14 @@ def available() -> bool:
     return cuda_gpu() and os.environ.get("MLXB_LORA_CAT_KERNEL", "auto") != "0"
 
 
-def launch_plan(rows: int, outputs: int, rank: int, width: int, dtype) -> dict:
-    """Template constants, grid (in threads, as ``cuda_kernel`` takes it) and output shape; shared with the
-    CPU emulation test."""
-    return dict(template=[("T", dtype), ("R", rank), ("W", width), ("NT", NT)],
-                grid=(-(-outputs // NT) * NT, rows, 1), threadgroup=(NT, 1, 1), output_shapes=[(rows, outputs)])
+def launch_plan(lead: tuple, outputs: int, rank: int, width: int, product: int, dtype) -> dict:
+    """Template constants, grid (in threads, as ``cuda_kernel`` takes it) and output shape (``lead`` + outputs)
+    for a product of shape ``lead + (product,)``; shared with the CPU emulation test."""
+    rows = 1
+    for d in lead:
+        rows *= d
+    return dict(template=[("T", dtype), ("R", rank), ("W", width), ("P", product), ("NT", NT)],
+                grid=(-(-outputs // NT) * NT, rows, 1), threadgroup=(NT, 1, 1), output_shapes=[(*lead, outputs)])
 
 
 def _kernel():
@@ -72,14 +75,13 @@ def _kernel():
 def expand(p: mx.array, bp: mx.array, zoff: mx.array, slots: mx.array, width: int) -> mx.array:
     """``p [..., O + N * width]`` (the group's product), ``bp [N, R, O]``, ``zoff`` int32 [O], ``slots`` int32
     [rows] (-1: none). Returns ``[..., O]``: each row's base outputs plus its adapter's delta."""
-    lead, O = p.shape[:-1], zoff.shape[0]
-    rows = p.size // p.shape[-1]
-    key = (rows, O, bp.shape[1], width, p.dtype)
+    key = (p.shape, zoff.shape[0], bp.shape[1], width, p.dtype)
     plan = _PLANS.get(key)
     if plan is None:  # once per shape: this runs for every adapted group of every step
-        plan = _PLANS[key] = dict(launch_plan(rows, O, bp.shape[1], width, p.dtype), output_dtypes=[p.dtype])
-    (out,) = _kernel()(inputs=[p.reshape(rows, p.shape[-1]), bp, zoff, slots], **plan)
-    return out.reshape(*lead, O)
+        plan = _PLANS[key] = dict(launch_plan(p.shape[:-1], zoff.shape[0], bp.shape[1], width, p.shape[-1], p.dtype),
+                                  output_dtypes=[p.dtype])
+    (out,) = _kernel()(inputs=[p, bp, zoff, slots], **plan)
+    return out
 
 
 def factors(b_parts: list, bounds: list, scales: list, outputs: int, dtype) -> tuple:

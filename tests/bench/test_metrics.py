@@ -62,7 +62,8 @@ def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
                                          "kv4", "spec", "lora"]
     assert [(c.adapters, c.adapter_rank) for c in m.cells if c.adapters] == [(4, 8)]
     h = parse("matrices/lora-h200.toml")
-    assert [(c.name, c.adapters, c.adapter_rank) for c in h.cells] == [("lora16", 4, 16), ("base8", 0, 8)]
+    assert [(c.name, c.adapters, c.adapter_rank, c.concurrency) for c in h.cells] == [
+        ("lora16", 4, 16, [8]), ("base8", 0, 8, [8]), ("lora16x32", 4, 16, [32]), ("base32", 0, 8, [32])]
     assert all(c.concurrency == [1, 4, 8] for c in m.cells)
     assert [c.server_args for c in m.cells if c.server_args] == [["--kv-bits", "4", "--quantized-kv-start", "0"],
                                                                  ["--draft-model", "tiny-llama", "--num-draft-tokens", "4"]]

@@ -21,8 +21,7 @@ F32, I32 = np.float32, np.int32
 def emulated(p, bp, zoff, slots, width, source=lora_cat.SOURCE):
     from tests.unit.cuda_emulation import EmulatedKernel
 
-    rows, O = p.shape[0], zoff.shape[0]
-    plan = lora_cat.launch_plan(rows, O, bp.shape[1], width, "float")
+    plan = lora_cat.launch_plan(p.shape[:-1], zoff.shape[0], bp.shape[1], width, p.shape[-1], "float")
     k = EmulatedKernel("mlxb_lora_cat_expand", [("p", F32), ("bp", F32), ("zoff", I32), ("slot", I32)],
                        [("out", F32)], source, "", {k: v for k, v in plan["template"]})
     ins = dict(p=np.asarray(p, F32), bp=np.asarray(bp, F32), zoff=np.asarray(zoff, I32), slot=np.asarray(slots, I32))
@@ -120,9 +119,10 @@ def test_expand_builds_each_shapes_plan_once(monkeypatch):
     slots = mx.array([0, 1, -1, 0], dtype=mx.int32)
     for _ in range(3):
         assert lora_cat.expand(p, bp, zoff, slots, 16).shape == (4, 1, 300)
-    assert len({id(t) for _, t, _ in seen}) == 1 and seen[0][0] == (4, 332)
+    assert len({id(t) for _, t, _ in seen}) == 1 and seen[0][0] == (4, 1, 332)  # the product as it is: no reshape
     assert seen[0][2] == (2 * lora_cat.NT, 4, 1)  # 300 outputs: two blocks a row
-    lora_cat.expand(mx.zeros((2, 3, 332)), bp, zoff, mx.zeros((6,), dtype=mx.int32), 16)
+    assert ("P", 332) in seen[0][1]
+    assert lora_cat.expand(mx.zeros((2, 3, 332)), bp, zoff, mx.zeros((6,), dtype=mx.int32), 16).shape == (2, 3, 300)
     assert len(lora_cat._PLANS) == 2 and seen[-1][2] == (2 * lora_cat.NT, 6, 1)
 
 
@@ -141,11 +141,10 @@ def test_engine_rows_take_the_kernel_and_keep_their_adapters(tmp_path, monkeypat
     calls = []
 
     def expand(p, bp, zoff, slots, width):
-        rows = p.size // p.shape[-1]
-        got = emulated(np.array(p.astype(mx.float32)).reshape(rows, -1), np.array(bp.astype(mx.float32)),
-                       np.array(zoff), np.array(slots), width)
-        calls.append(rows)
-        return mx.array(got).astype(p.dtype).reshape(*p.shape[:-1], zoff.shape[0])
+        got = emulated(np.array(p.astype(mx.float32)), np.array(bp.astype(mx.float32)), np.array(zoff),
+                       np.array(slots), width)
+        calls.append(p.size // p.shape[-1])
+        return mx.array(got).astype(p.dtype)
 
     monkeypatch.setattr(lora_cat, "NT", 32)
     monkeypatch.setattr(lora_cat, "MAX_ROWS", 8)
