@@ -86,15 +86,16 @@ class LoRAContext:
 
     def set(self, slots) -> None:
         slots = list(slots)
-        if slots == self._slots and self._slots:  # a steady batch: keep this forward's arrays (no new host copies)
+        self._masks = {}  # built lazily on the calling thread: a pending array must not reach another thread's step
+        if slots == self._slots and self._slots:  # a steady batch: keep its row arrays (made from lists, no pending work)
             return
         self.ids = mx.array([max(s, 0) for s in slots], dtype=mx.uint32) if any(s >= 0 for s in slots) else None
         # each row's scale; 0 for a row without an adapter (its factors, slot 0's, then add nothing)
         self.row_scale = mx.array([self.scales[s] if s >= 0 else 0.0 for s in slots], dtype=mx.float32)
         # every row with the same adapter: no gather, one adapter's factors (mlx-lm's LoRALinear exactly)
         self.one = slots[0] if slots and slots[0] >= 0 and all(s == slots[0] for s in slots) else None
-        self._slots, self._masks = slots, {}
-        self._row_slots = {}  # made on first use: only the fused path reads them
+        self._slots = slots
+        self._row_slots = {}  # made on first use: the fused kernel and the concat kernel read them
 
     def row_slots(self, x: mx.array) -> mx.array:
         """int32 [rows]: each row's slot (-1: none) for a forward over ``x`` [batch, L, in] (rows batch-major)."""

@@ -131,6 +131,25 @@ def test_stacked_mask_puts_each_rows_scale_on_its_adapters_block():
     assert m[0, 0].tolist() == [0, 0, 0, 0, 5, 5] and m[1, 0].tolist() == [0] * 6 and m[2, 0].tolist() == [2, 2, 0, 0, 0, 0]
 
 
+def test_context_keeps_a_steady_batchs_row_arrays_and_rebuilds_masks_each_forward():
+    """A forward with the same rows as the last one reuses their slot arrays (no new host copies per step); a
+    change of rows makes new ones; masks (lazy arrays) are made again for every forward."""
+    from mlxb.engine.lora import LoRAContext
+
+    ctx = LoRAContext(["a", "b"])
+    ctx.scales, ctx.rank = [2.0, 3.0], 2
+    ctx.set([1, -1, 0])
+    ids, rs, m = ctx.ids, ctx.row_slots(mx.zeros((3, 1, 4))), ctx.mask(mx.float32)
+    ctx.set([1, -1, 0])
+    assert ctx.ids is ids and ctx.row_slots(mx.zeros((3, 1, 4))) is rs and ctx.mask(mx.float32) is not m
+    assert ctx.row_slots(mx.zeros((3, 5, 4))).tolist() == [1] * 5 + [-1] * 5 + [0] * 5  # a verify step's rows
+    ctx.set([0, -1, 1])
+    assert ctx.ids is not ids and ctx.ids.tolist() == [0, 0, 1] and ctx.row_slots(mx.zeros((3, 1, 4))).tolist() == [0, -1, 1]
+    assert np.array(ctx.mask(mx.float32))[0, 0].tolist() == [2, 2, 0, 0]
+    ctx.set([-1, -1])
+    assert ctx.ids is None and ctx.one is None
+
+
 def test_lora_path_choice_flag_over_environment(adapters, monkeypatch):
     """``install(lora_path=...)`` (``--lora-path``) wins over MLXB_LORA_PATH; auto is exact off CUDA; an unknown
     path is refused naming the choices; /stats reports the path taken."""
