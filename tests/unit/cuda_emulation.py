@@ -1,7 +1,7 @@
 """Run a ``mx.fast.cuda_kernel`` source on the CPU: the kernel body is compiled as C++ (g++, C++20) with a
-small stand-in for the CUDA built-ins it uses, and each thread block runs as ``NT`` OS threads
-(``__syncthreads`` is a block barrier, ``__shfl_xor_sync`` a warp barrier over an exchange buffer,
-``__shared__`` arrays are static and blocks run one at a time). It checks the kernel's indexing and
+small stand-in for the CUDA built-ins it uses. A launch makes ``NT`` OS threads, which run the blocks one at a
+time, each thread its lane of every block (``__syncthreads`` is a block barrier, ``__shfl_xor_sync`` a warp
+barrier over an exchange buffer, ``__shared__`` arrays are static). It checks the kernel's indexing and
 arithmetic, not its speed or the GPU's memory model. Element type ``T`` is float."""
 
 from __future__ import annotations
@@ -55,11 +55,15 @@ extern "C" void launch(void** args, int gx, int gy, int gz, int tx) {
   for (int w = 0; w < (tx + 31) / 32; ++w) { g_warp[w] = new std::barrier<>(tx - w * 32 < 32 ? tx - w * 32 : 32); }
   g_block = &block;
   gridDim = {gx, gy, gz};
-  for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
-    std::vector<std::thread> ts;
-    for (int t = 0; t < tx; ++t) ts.emplace_back([=]() { blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; CALL; });
-    for (auto& th : ts) th.join();
-  }
+  // tx threads for the whole grid, each running its lane of every block in turn; a barrier after each
+  // block, so blocks still run one at a time (their __shared__ arrays are statics)
+  std::vector<std::thread> ts;
+  for (int t = 0; t < tx; ++t) ts.emplace_back([=, &block]() {
+    for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {
+      blockIdx = {x, y, z}; threadIdx = {t, 0, 0}; CALL; block.arrive_and_wait();
+    }
+  });
+  for (auto& th : ts) th.join();
   for (int w = 0; w < (tx + 31) / 32; ++w) delete g_warp[w];
 }
 """

@@ -171,3 +171,59 @@ def test_off_cuda_the_concat_path_takes_no_kernel(tmp_path):
     ctx = lora.install(model, [lora.read_adapter("x", str(tmp_path / "x"))], lora_path="concat")
     assert ctx.stats()["concat_kernel"] is False and ctx.stats()["concat_kernel_off"] is None
     assert not lora_cat.available()
+
+
+def test_speculating_rows_of_two_adapters_take_the_kernel_and_keep_plain_tokens(tmp_path, monkeypatch):
+    """Lookup speculation with the kernel emulated: verify steps of [B, K+1] rows (each row's slot repeated over
+    its positions) give the same greedy tokens as plain decoding, rows of two adapters and the base together."""
+    from mlxb.engine import lora
+    from mlxb.engine.engine import Engine
+    from mlxb.engine.stream import OutputStream
+    from mlxb.models import load_model
+    from mlxb.models.adapters import build_adapter
+    from mlxb.request import Request, SamplingParams
+    from tests.tiny.test_spec import SPEC, repetitive_prompts
+
+    build_adapter(load_model("tiny-llama")[0], tmp_path / "x", rank=8, seed=1)
+    build_adapter(load_model("tiny-llama")[0], tmp_path / "y", rank=4, seed=2, num_layers=1)
+    shapes = []
+
+    def expand(p, bp, zoff, slots, width):
+        shapes.append(p.shape[:-1])
+        got = emulated(np.array(p.astype(mx.float32)), np.array(bp.astype(mx.float32)), np.array(zoff),
+                       np.array(slots), width)
+        return mx.array(got).astype(p.dtype)
+
+    monkeypatch.setattr(lora_cat, "NT", 32)
+    monkeypatch.setattr(lora_cat, "MAX_ROWS", 16)
+    monkeypatch.setattr(lora_cat, "expand", expand)
+    monkeypatch.setattr(lora, "_cat_kernel", lambda cuda: (True, None))
+    model, tok, *_ = load_model("tiny-llama")
+    lora.install(model, [lora.read_adapter("x", str(tmp_path / "x")), lora.read_adapter("y", str(tmp_path / "y"))],
+                 lora_path="concat")
+    prompts, slots = repetitive_prompts()[:3], [0, 1, -1]
+
+    def run(spec):
+        eng = Engine(model, tok, max_batch=3, prefill_chunk=16, spec=spec)
+        streams = {}
+        for i, (p, s) in enumerate(zip(prompts, slots)):
+            streams[i] = OutputStream(f"r{i}")
+            eng.accept(Request(f"r{i}", p, 10, SamplingParams(), ignore_eos=True, adapter=s), streams[i])
+        while eng._live:
+            eng.iterate()
+        outs = []
+        for i in range(len(prompts)):
+            items = []
+            while not streams[i]._q.empty():
+                x = streams[i]._q.get()
+                if hasattr(x, "request_id") and x.token is not None:
+                    items.append(x.token)
+            outs.append(items)
+        return outs, eng
+
+    plain, _ = run(None)
+    shapes.clear()
+    spec, eng = run(SPEC)
+    assert spec == plain and all(len(t) == 10 for t in spec)
+    assert eng.spec_stats()["verify_steps"] > 0
+    assert any(len(s) == 2 and s[1] > 1 for s in shapes)  # verify steps' [B, K+1] rows went through the kernel
