@@ -48,7 +48,8 @@ def spec_bench(
     spec_pipeline: str = typer.Option("off", "--spec-pipeline", help="As serve --spec-pipeline (off, auto, on)."),
     spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Draft --num-draft-tokens every step (no adaptation or pauses), as serve --spec-fixed."),
     batches: str = typer.Option("1,8", "--batches"),
-    regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random, looping (the prompt ends in the model's own greedy output, where random-weight models loop)."),
+    regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random, looping (the prompt ends in the model's own greedy output, where random-weight models loop), replay (the mechanism at a chosen acceptance: drafts are the row's own greedy continuation, each token wrong with probability --replay-miss)."),
+    replay_miss: float = typer.Option(0.1, "--replay-miss", min=0.0, max=1.0, help="The replay regime's chance that a draft token is wrong."),
     context: int = typer.Option(512, "--context", min=8, help="Prompt tokens per row."),
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
@@ -74,7 +75,7 @@ def spec_bench(
         use_skinny_matmul(m, cfg)
     with status("benchmarking ...") as st:
         res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
-                  repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"))
+                  repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"), replay_miss=replay_miss)
     res["config"]["skinny_matmul"] = skinny_matmul
     res["config"]["fuse_projections"] = fuse_projections
     what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")

@@ -14,6 +14,11 @@ always printed next to the speed:
   repetition after a few hundred tokens (synth-llama-30m: a cycle, then one token repeated), so the
   measured tokens continue a loop the prompt already holds: the regime of output that repeats, near
   the mechanism's ceiling for prompt lookup; its acceptance is printed as for the others.
+* ``replay`` (asked for by name; ``replay_miss``): random prompts, and the speculating arm's proposer replaced
+  by :class:`ReplayProposer`, which proposes each row's own greedy continuation (from a plain run of the same
+  prompts in the same run, untimed) with each draft token made wrong with probability ``replay_miss``. It
+  measures the mechanism (verify steps, acceptance, rollback) at a chosen acceptance with a proposer that costs
+  nothing, apart from how well any real proposer guesses: not a proposer a server can run.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ from mlxb.engine.stream import OutputStream
 from mlxb.engine.warmup import warm_up
 from mlxb.request import Request
 
-REGIMES = ("repetitive", "random")  # the default set; "looping" is asked for by name
-ALL_REGIMES = ("repetitive", "random", "looping")
+REGIMES = ("repetitive", "random")  # the default set; "looping" and "replay" are asked for by name
+ALL_REGIMES = ("repetitive", "random", "looping", "replay")
 LOOP_HEAD = 128
 
 
@@ -47,6 +52,34 @@ def prompts_for(regime: str, n: int, context: int, vocab: int, seed: int = 0) ->
     if regime == "random":
         return [rng.integers(5, vocab, size=context).tolist() for _ in range(n)]
     raise ValueError(f"regime {regime!r}: choose from {', '.join(ALL_REGIMES)}")
+
+
+class ReplayProposer:
+    """The ``replay`` regime's proposer (module notes): each row's reference sequence (prompt + greedy
+    continuation), found by the row's first ``KEY`` tokens; a draft token at a position the seeded miss mask marks
+    is replaced by another token. A row whose last tokens left its reference (a near-tie the verify forward
+    flipped) gets no drafts."""
+
+    KEY = 16
+    shadows = False  # no free check on plain steps (that is prompt lookup's)
+
+    def __init__(self, refs: list[list[int]], miss: float, vocab: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.refs = {tuple(r[: self.KEY]): (np.asarray(r), rng.random(len(r)) < miss) for r in refs}
+
+    def propose(self, history: np.ndarray, k: int) -> list[int]:
+        got = self.refs.get(tuple(history[: self.KEY].tolist()))
+        n = history.shape[0]
+        if got is None or k <= 0 or n >= got[0].shape[0]:
+            return []
+        ref, miss = got
+        if not np.array_equal(history[-8:], ref[max(0, n - 8) : n]):
+            return []
+        out = ref[n : n + k].copy()
+        bad = miss[n : n + k]
+        out[bad] = (out[bad] + 1) % self.vocab
+        return out.tolist()
 
 
 def greedy_tails(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -95,7 +128,8 @@ def looping_prompts(engine: Engine, n: int, context: int, vocab: int, seed: int 
 
 
 def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, context: int = 512, gen: int = 64,
-        repeats: int = 2, prefill_chunk: int = 2048, progress: Optional[Callable[[str], None]] = None) -> dict:
+        repeats: int = 2, prefill_chunk: int = 2048, progress: Optional[Callable[[str], None]] = None,
+        replay_miss: float = 0.1) -> dict:
     say = progress or (lambda s: None)
     bad = [g for g in regimes if g not in ALL_REGIMES]
     if bad:
@@ -119,17 +153,28 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                 for e in engines.values():
                     _decode_tps(e, warm, min(gen, 32), prefill_chunk)
                 for rep in range(repeats):
+                    replay = None
                     if regime == "looping":
                         prompts = looping_prompts(engines["plain"], b, context, vocab, seed=1000 * rep + b)
                     else:
-                        prompts = prompts_for(regime, b, context, vocab, seed=1000 * rep + b)
+                        prompts = prompts_for("random" if regime == "replay" else regime, b, context, vocab,
+                                              seed=1000 * rep + b)
+                    if regime == "replay":  # each prompt's greedy continuation, untimed, for the proposer
+                        tails = greedy_tails(engines["plain"], prompts, gen + spec.num_draft_tokens + 1)
+                        replay = ReplayProposer([p + t for p, t in zip(prompts, tails)], replay_miss, vocab, seed=rep)
                     for arm in ("plain", "spec", "spec", "plain"):
                         say(f"{regime} B={b} repeat {rep} {arm}")
                         e = engines[arm]
                         before = dict(e.runner.spec_counts)
                         e.runner.step_cost.trace.clear()
                         t_before = dict(e.runner.timing)
-                        tps = _decode_tps(e, prompts, gen, prefill_chunk)
+                        real = e.runner.proposer
+                        if replay is not None and arm == "spec":
+                            e.runner.proposer = replay  # the engine is idle between arms
+                        try:
+                            tps = _decode_tps(e, prompts, gen, prefill_chunk)
+                        finally:
+                            e.runner.proposer = real
                         host = {k: round(v - t_before.get(k, 0.0), 4) for k, v in e.runner.timing.items()
                                 if k.startswith("verify_") or k in ("steps", "build_s", "launch_s", "wait_s")}
                         c = e.runner.spec_counts
@@ -159,6 +204,7 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                             **{k: sum(r[k] for r in sp) for k in ("pipelined_kept", "pipelined_dropped")},
                             "acceptance": sum(r["accepted"] for r in sp) / drafted if drafted else None})
     return {"config": {"method": spec.method, "draft_model": spec.draft_name, "num_draft_tokens": spec.num_draft_tokens, "adaptive": spec.adaptive,
-                       "pipeline": spec.pipeline, "lookup_ngram": spec.lookup_ngram, "context": context, "gen": gen, "repeats": repeats,
+                       "pipeline": spec.pipeline, "lookup_ngram": spec.lookup_ngram, "context": context,
+                       "replay_miss": replay_miss if "replay" in regimes else None, "gen": gen, "repeats": repeats,
                        "batches": list(batches), "regimes": list(regimes), "warm_up": "serve's, then one untimed arm per engine, regime and B"},
             "rows": rows, "summary": summary}

@@ -1,0 +1,37 @@
+"""The ``replay`` regime of ``mlxb bench spec``: the proposer replays each row's own greedy continuation with a
+seeded share of wrong tokens, so the acceptance follows ``replay_miss``: all drafts kept at 0, none at 1."""
+
+import numpy as np
+
+from mlxb.bench.spec import ReplayProposer, run
+from mlxb.engine.spec import SpecConfig
+
+
+def test_replay_proposes_the_reference_with_seeded_misses_and_stops_off_it():
+    ref = list(range(100, 140))
+    p = ReplayProposer([ref], miss=0.0, vocab=1000)
+    assert p.propose(np.array(ref[:20]), 4) == ref[20:24]
+    assert p.propose(np.array(ref[:38]), 4) == ref[38:40]  # the reference's end
+    assert p.propose(np.array(ref[:40]), 4) == []
+    off = np.array(ref[:19] + [7])  # the row left its reference
+    assert p.propose(off, 4) == []
+    assert p.propose(np.array(list(range(16)) + [5]), 4) == []  # an unknown row
+    all_wrong = ReplayProposer([ref], miss=1.0, vocab=1000)
+    assert all(a != b for a, b in zip(all_wrong.propose(np.array(ref[:20]), 4), ref[20:24]))
+    half = ReplayProposer([ref], miss=0.5, vocab=1000, seed=3)
+    got = half.propose(np.array(ref[:20]), 8)
+    assert got == half.propose(np.array(ref[:20]), 8)  # seeded: the same misses at the same positions
+    assert 0 < sum(a != b for a, b in zip(got, ref[20:28])) < 8
+
+
+def test_replay_regime_acceptance_follows_the_miss_rate(tiny_models):
+    model, tok = tiny_models("tiny-llama")[:2]
+    spec = SpecConfig("lookup", 4, 3, max_batch=8, adaptive=False)
+    acc = {}
+    for miss in (0.0, 1.0):
+        res = run(model, tok, spec=spec, batches=(2,), regimes=("replay",), context=48, gen=16, repeats=1,
+                  replay_miss=miss)
+        (s,) = res["summary"]
+        assert s["regime"] == "replay" and s["drafted"] > 0 and res["config"]["replay_miss"] == miss
+        acc[miss] = s["acceptance"]
+    assert acc[0.0] > 0.9 and acc[1.0] == 0.0
