@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specctl|specloop|skinny|verify|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -297,6 +297,15 @@ print(d['ok'], d['machine_key'], len(r), sum(x['steps'] for x in r), sum(x['exac
     done
     MLX_CUDA_USE_CUDNN_SDPA=0 mlxb bench spec -m $m --spec lookup --batches ${BATCHES:-1,8} --context ${CONTEXT:-512} \
       --gen ${GEN:-96} --repeats ${REPEATS:-2} --out "$OUT/spec-lookup.json" 2>&1 | grep -v Warning | tail -14 ;;
+  specreplay)  # issue 15: the mechanism at a chosen acceptance (bench spec's replay regime), lookup settings, K=4;
+    # MISS="0.1 0.3": one run per miss rate; EXTRA: more bench spec flags (e.g. --spec-fixed, --fuse-projections)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    for q in ${MISS:-0.1}; do
+      timeout ${LIMIT:-280} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --regimes replay --replay-miss $q \
+        --batches ${BATCHES:-1,8} --context ${CONTEXT:-512} --gen ${GEN:-96} --repeats ${REPEATS:-3} ${EXTRA:-} \
+        --out "$OUT/spec-replay-miss$q.json" 2>&1 | grep -v "Warning\|benchmarking:" | tail -12
+    done ;;
   stop)  # mlxb serve on the 8B shape stopped with SIGINT right after a served benchmark, 3 times: exit code, last lines
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
