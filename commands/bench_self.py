@@ -171,12 +171,13 @@ def lora_bench(
                   progress=lambda s: st.update(f"benchmarking: {s}"), lora_path=lora_path)
     t = Table(title=f"decode tok/s, {adapters} LoRA adapters (rank {rank}, random weights), {context}-token rows, "
                     f"same run — {spec.name}")
-    for c in ("B", "base", "mixed", "one", "fused", "mixed/base (min med max)", "one/fused (min med max)"):
+    for c in ("B", "base", "mixed", "one", "fused", "mixed/base (min med max)", "one/fused (min med max)",
+              "mixed/fused (min med max)"):
         t.add_column(c)
     for r in res["summary"]:
         t.add_row(str(r["B"]), *(f"{r[k + '_tps']:.1f}" for k in ("base", "mixed", "one", "fused")),
-                  " ".join(f"{r['mixed_vs_base_' + f]:.3f}" for f in ("min", "median", "max")),
-                  " ".join(f"{r['one_vs_fused_' + f]:.3f}" for f in ("min", "median", "max")))
+                  *(" ".join(f"{r[q + '_' + f]:.3f}" for f in ("min", "median", "max"))
+                    for q in ("mixed_vs_base", "one_vs_fused", "mixed_vs_fused")))
     console.print(t)
     c = res["config"]
     console.print(f"LoRA path: {c['lora_path']}" + (f", one-launch expand: {c['concat_kernel']}" if c["lora_path"] == "concat" else ""))

@@ -71,6 +71,8 @@ def test_bench_lora_writes_labelled_ratios_and_build_adapter_writes_mlx_lm_forma
     res = json.loads(out.read_text())
     (s,) = res["summary"]
     assert res["labels"]["model"] == "tiny-llama" and s["B"] == 2 and s["mixed_tps"] > 0 and s["fused_tps"] > 0
+    (row,) = res["rows"]  # one repeat: the summary's ratio is that repeat's
+    assert s["mixed_vs_fused_median"] == row["mixed_vs_fused"] == row["mixed_tps"] / row["fused_tps"]
     ad = tmp_path / "coder"
     r = runner.invoke(app, ["models", "build-adapter", "coder", "--rank", "4", "--out", str(ad)])
     assert r.exit_code == 0, r.output
