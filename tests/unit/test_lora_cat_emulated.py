@@ -126,14 +126,13 @@ def test_expand_builds_each_shapes_plan_once(monkeypatch):
     assert len(lora_cat._PLANS) == 2 and seen[-1][2] == (2 * lora_cat.NT, 6, 1)
 
 
-def test_engine_rows_take_the_kernel_and_keep_their_adapters(tmp_path, monkeypatch):
-    """``--lora-path concat`` in the engine with the kernel emulated (32 threads a block to keep it quick): rows
-    of two adapters and the base in one batch give the tokens of mlx-lm alone with each row's adapter; decode
-    steps take the kernel, prefill chunks above ``MAX_ROWS`` keep the ``addmm``; the planted slot shift fails."""
+def install_emulated(tmp_path, monkeypatch, max_rows):
+    """tiny-llama with adapters x (rank 8) and y (rank 4, last layer only) on the concat path, the kernel emulated
+    (32 threads a block) for forwards of up to ``max_rows`` rows. Returns model, tokenizer, adapter folders by
+    slot, and the row count of every emulated launch."""
     from mlxb.engine import lora
     from mlxb.models import load_model
     from mlxb.models.adapters import build_adapter
-    from tests.tiny.test_lora import rows_within
 
     build_adapter(load_model("tiny-llama")[0], tmp_path / "x", rank=8, seed=1)
     build_adapter(load_model("tiny-llama")[0], tmp_path / "y", rank=4, seed=2, num_layers=1)
@@ -143,21 +142,32 @@ def test_engine_rows_take_the_kernel_and_keep_their_adapters(tmp_path, monkeypat
     def expand(p, bp, zoff, slots, width):
         got = emulated(np.array(p.astype(mx.float32)), np.array(bp.astype(mx.float32)), np.array(zoff),
                        np.array(slots), width)
-        calls.append(p.size // p.shape[-1])
+        calls.append(p.shape[:-1])
         return mx.array(got).astype(p.dtype)
 
     monkeypatch.setattr(lora_cat, "NT", 32)
-    monkeypatch.setattr(lora_cat, "MAX_ROWS", 8)
+    monkeypatch.setattr(lora_cat, "MAX_ROWS", max_rows)
     monkeypatch.setattr(lora_cat, "expand", expand)
     monkeypatch.setattr(lora, "_cat_kernel", lambda cuda: (True, None))  # the device check needs CUDA
     model, tok, *_ = load_model("tiny-llama")
     ctx = lora.install(model, [lora.read_adapter("x", paths[0]), lora.read_adapter("y", paths[1])],
                        lora_path="concat")
     assert ctx.path == "concat" and ctx.stats()["concat_kernel"] is True
+    return model, tok, paths, calls
+
+
+def test_engine_rows_take_the_kernel_and_keep_their_adapters(tmp_path, monkeypatch):
+    """``--lora-path concat`` in the engine with the kernel emulated: rows of two adapters and the base in one
+    batch give the tokens of mlx-lm alone with each row's adapter; decode steps take the kernel, prefill chunks
+    above ``MAX_ROWS`` keep the ``addmm``; the planted slot shift fails."""
+    from tests.tiny.test_lora import rows_within
+
+    model, tok, paths, calls = install_emulated(tmp_path, monkeypatch, max_rows=8)
     rng = np.random.default_rng(6)
     prompts = [rng.integers(5, 8000, size=n).tolist() for n in (17, 11, 25)]
     worst = rows_within(model, tok, prompts, paths)
-    assert calls and max(calls) <= 8  # decode steps took it; the longer prefill chunks did not
+    rows = [int(np.prod(c)) for c in calls]
+    assert rows and max(rows) <= 8  # decode steps took it; the longer prefill chunks did not
     assert worst < 1e-3, worst
 
 
@@ -176,31 +186,12 @@ def test_off_cuda_the_concat_path_takes_no_kernel(tmp_path):
 def test_speculating_rows_of_two_adapters_take_the_kernel_and_keep_plain_tokens(tmp_path, monkeypatch):
     """Lookup speculation with the kernel emulated: verify steps of [B, K+1] rows (each row's slot repeated over
     its positions) give the same greedy tokens as plain decoding, rows of two adapters and the base together."""
-    from mlxb.engine import lora
     from mlxb.engine.engine import Engine
     from mlxb.engine.stream import OutputStream
-    from mlxb.models import load_model
-    from mlxb.models.adapters import build_adapter
     from mlxb.request import Request, SamplingParams
     from tests.tiny.test_spec import SPEC, repetitive_prompts
 
-    build_adapter(load_model("tiny-llama")[0], tmp_path / "x", rank=8, seed=1)
-    build_adapter(load_model("tiny-llama")[0], tmp_path / "y", rank=4, seed=2, num_layers=1)
-    shapes = []
-
-    def expand(p, bp, zoff, slots, width):
-        shapes.append(p.shape[:-1])
-        got = emulated(np.array(p.astype(mx.float32)), np.array(bp.astype(mx.float32)), np.array(zoff),
-                       np.array(slots), width)
-        return mx.array(got).astype(p.dtype)
-
-    monkeypatch.setattr(lora_cat, "NT", 32)
-    monkeypatch.setattr(lora_cat, "MAX_ROWS", 16)
-    monkeypatch.setattr(lora_cat, "expand", expand)
-    monkeypatch.setattr(lora, "_cat_kernel", lambda cuda: (True, None))
-    model, tok, *_ = load_model("tiny-llama")
-    lora.install(model, [lora.read_adapter("x", str(tmp_path / "x")), lora.read_adapter("y", str(tmp_path / "y"))],
-                 lora_path="concat")
+    model, tok, _, shapes = install_emulated(tmp_path, monkeypatch, max_rows=16)
     prompts, slots = repetitive_prompts()[:3], [0, 1, -1]
 
     def run(spec):
