@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import time
 
+from mlxb.engine.spec_control import StepCost
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import MlxbError
 from mlxb.request import Request
@@ -113,6 +114,21 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
     return stats
 
 
+class _FreeVerify(StepCost):
+    """The step cost the warm-up's verify steps see: one plain step, never stale, no mask penalty, so the
+    bar always opens. The real measurements (timing of first-shape compiles, noisy on a shared CPU) could
+    otherwise keep every warm-up row plain and leave the verify kernels to the first request."""
+
+    def ratio_at(self, rows: int, aligned: bool = False) -> float:
+        return 1.0
+
+    def penalty_at(self, rows: int) -> float:
+        return 1.0
+
+    def stale_at(self, rows: int) -> bool:
+        return False
+
+
 class _RepeatLast:
     """Warm-up drafts for lookup: the last token k times (usually rejected, which also runs the
     rollback); real lookups need repeated text, which tiny warm-up prompts may not have."""
@@ -125,9 +141,10 @@ def _warm_verify(engine, mechanism: str, max_iterations: int = 80) -> int:
     """--spec: verify steps at B=1 (and B=2 where --spec-max-batch allows), every draft width the
     adaptive length reaches, so their kernels are compiled before traffic. Returns the verify steps."""
     r = engine.runner
-    real = r.proposer
+    real, cost = r.proposer, r.step_cost
     if not hasattr(real, "propose_rows"):
         r.proposer = _RepeatLast()
+    r.step_cost = _FreeVerify()  # the draft length still shrinks only at the end of max_tokens: widths k..1
     try:
         reqs = [Request(f"warmup-spec-{i}", _ids(12, 40 + i), r.spec.num_draft_tokens + 8, ignore_eos=True)
                 for i in range(min(2, r.spec.max_batch))]
@@ -147,7 +164,7 @@ def _warm_verify(engine, mechanism: str, max_iterations: int = 80) -> int:
             if engine._live:
                 engine.iterate()
     finally:
-        r.proposer = real
+        r.proposer, r.step_cost = real, cost
     return r.spec_counts["verify_steps"]
 
 

@@ -288,6 +288,25 @@ def test_warm_up_runs_verify_steps_then_leaves_the_engine_clean(tiny_models):
     assert eng.runner.proposer.__class__.__name__ == "LookupProposer"
 
 
+def test_warm_up_verifies_even_where_this_machines_step_costs_shut_the_bar(tiny_models):
+    """Warm-up's verify steps do not hang on the measured cost: a machine whose first-shape compiles made
+    verify steps look 30x a plain one (planted here) still compiles them (CI once got none)."""
+    from mlxb.engine.warmup import warm_up
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    eng = Engine(model, tok, max_batch=4, prefill_chunk=16, spec=SpecConfig("lookup", 4, 3, max_batch=2))
+    cost = eng.runner.step_cost
+    for rows in (1, 2):
+        for aligned in (False, True):
+            for _ in range(16):
+                cost.observe(False, 0.001, rows, aligned=aligned)
+        cost.observe(True, 1.0, rows)
+    assert cost.ratio_at(2) > 10 and cost.ratio_at(1) > 10
+    stats = warm_up(eng)
+    assert stats["verify_steps"] > 0
+    assert eng.runner.step_cost is cost and not cost.sizes  # the engine's own, cleared
+
+
 def test_drafts_drawn_from_the_drafts_distribution_keep_the_targets():
     """A draft d drawn from q, kept with probability min(1, pi(d)/q(d)), else a draw from max(pi - q, 0):
     the output follows pi (chi-square) and more drafts are kept than by the point-mass rule. Told the
