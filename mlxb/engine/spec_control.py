@@ -204,14 +204,15 @@ def pays(r) -> bool:
     speculating rows gain more than one token. Worth it when the rows' expected tokens per step, a
     speculating row's 1 + alpha + ... + alpha^k and every other row's 1, average at least the measured
     cost in plain steps, or the measured cost is stale and the rows' expected tokens average ``PROBE_GAIN``
-    (with --spec-fixed: always): rows whose shadow drafts show no acceptance do not pay for a probe. In a batch of more
-    than one row a row counts only with evidence of its acceptance (verify steps or shadow drafts, not
-    the starting guess): every row pays for a probe at the guess, and on a 2-core CPU such probes with
-    random prompts cost B=8 a fifth of its speed (0.79x) before the first cost was measured. A lone row
-    waits for its shadow drafts too (prompt lookup): on the H200 probes at the guess with random prompts
-    cost a lone 8B row a third of its speed (0.68x, 10% of 52 drafts kept), since each one, and each
-    lookup that finds nothing, stops the pipeline; a draft model's lone row, which has no shadow drafts,
-    still probes at the guess. An aligned batch would pay the
+    (with --spec-fixed: always): rows whose shadow drafts show no acceptance do not pay for a probe.
+
+    Prompt lookup's rows count only with evidence of their acceptance (verify steps or shadow drafts, not
+    the starting guess), at any batch size: probes at the guess with random prompts cost B=8 a fifth of
+    its speed on a 2-core CPU (0.79x) and a lone 8B row on the H200 a third (0.68x, 10% of 52 drafts
+    kept), since each one, and each lookup that finds nothing, stops the pipeline. A proposer without
+    shadow drafts (a draft model) has no check but a verify step, so its rows count at the guess until
+    their first one: they probe once, at any batch size, and the evidence decides from then on (before,
+    a batch of such rows never drafted unless its rows had drafted alone). An aligned batch would pay the
     mask on every later step: there the cost is over the aligned step and
     includes the mask's; a stale cost is not a probe there but counts as ``MIN_GAIN`` (measured on the
     H200, synth-llama-8b, B=8: probes at the starting guess turned an aligned batch masked and held it
@@ -219,7 +220,7 @@ def pays(r) -> bool:
     if not r.spec.adaptive:
         return True
     n, cost, flat = len(r.rows), r.step_cost, aligned(r)
-    guess = n == 1 and not flat and not getattr(getattr(r, "proposer", None), "shadows", False)
+    guess = not getattr(getattr(r, "proposer", None), "shadows", False)  # a verify step is its only check
     total = sum(gain(row.spec) if row.spec is not None and row.spec.cooldown == 0
                 and (row.spec.evidence or guess) else 1.0 for row in r.rows)
     if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty

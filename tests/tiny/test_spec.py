@@ -214,6 +214,21 @@ def test_self_draft_accepts_everything_and_changes_no_token(tiny_models, batch):
         assert st["drafted"] > 0 and (st["accepted"] == st["drafted"]) == full
 
 
+def test_a_draft_models_batch_probes_without_having_drafted_alone(tiny_models):
+    """Adaptive speculation with a draft model, an idle cohort of four (prefilled together, never alone): its rows have
+    no check but a verify step, so they probe at the starting guess (before, they waited for evidence
+    that only a lone row could get, and drafted nothing). The target as its own draft keeps every draft
+    and changes no token."""
+    target, tok = tiny_models("tiny-minicpm")[:2]
+    prompts = [p[:12] for p in repetitive_prompts()]  # one chunk each, equal lengths: one aligned cohort
+    plain, _ = run(target, tok, prompts, [0, 0, 0, 0], 4, 24)
+    spec, eng = run(target, tok, prompts, [0, 0, 0, 0], 4, 24, spec=SpecConfig("draft", 4, draft_model=target, max_batch=8))
+    assert [tokens(a) for a in plain] == [tokens(b) for b in spec]
+    st = eng.spec_stats()
+    assert st["verify_steps"] > 0 and st["drafted"] > 0 and st["accepted"] == st["drafted"], st
+    assert [n for why, n, *rest in eng.runner.step_cost.trace if why == "verify"].count(4) > 0, eng.runner.step_cost.trace
+
+
 def test_lone_row_matches_mlx_lm_speculative_generate_step(tiny_models):
     from mlx_lm.generate import speculative_generate_step
 

@@ -155,8 +155,9 @@ def test_an_aligned_batch_speculates_only_on_evidence():
     """An aligned batch (no mask on its steps) loses that with its first verify step: fresh rows (the
     starting guess only) do not open the bar there, rows with measured high acceptance do, and the bar
     includes what a masked step costs over an aligned one. A padded batch waits for evidence too (every
-    row would pay for a probe at the guess); a lone row probes at the guess only without shadow drafts
-    (a draft model), prompt lookup's waits for them too."""
+    row would pay for a probe at the guess); a lone row too. That is prompt lookup's rule (shadow drafts
+    give evidence for free); a draft model's rows have no check but a verify step, so they probe at the
+    guess once, at any batch size, aligned or padded, and their evidence decides after it."""
     from types import SimpleNamespace as NS
 
     from mlxb.engine.spec import RowSpec, StepCost, pays
@@ -170,14 +171,23 @@ def test_an_aligned_batch_speculates_only_on_evidence():
     assert abs(cost.ratio_at(8, True) - 2.0) < 1e-9 and abs(cost.penalty_at(8) - 1.25) < 1e-9
     layer = NS(aligned=True, holes=None)
     fresh = [NS(spec=RowSpec(4, 4)) for _ in range(8)]
-    r = NS(spec=SpecConfig(), rows=fresh, step_cost=cost, merged=True, _geo_layer=0, caches=[layer])
+    draft, lookup = NS(shadows=False), NS(shadows=True)
+    r = NS(spec=SpecConfig(), rows=fresh, step_cost=cost, merged=True, _geo_layer=0, caches=[layer], proposer=lookup)
+    drafted = NS(**{**vars(r), "proposer": draft})
     assert not pays(r)  # guess 2.77 tokens a row, but no evidence
+    assert pays(drafted)  # a draft model's fresh rows probe: 2.77 >= 2.0 x 1.25
     layer.aligned = False
     assert not pays(r)  # padded: the mask is paid anyway, but eight rows would pay for a guess
+    assert pays(drafted)
+    for row in fresh:
+        row.spec.learn(4, 0)
+        row.spec.learn(4, 0)  # two verify steps kept nothing: alpha 0.25, 1.3 tokens against 1.6 (padded)
+    assert not pays(drafted)
+    for row in fresh:
+        row.spec.alpha, row.spec.evidence = 0.7, 0
     cost.observe(True, 0.016, rows=1)
     for _ in range(StepCost.REFILL + 1):
         cost.observe(False, 0.008, rows=1)
-    draft, lookup = NS(shadows=False), NS(shadows=True)
     lone = lambda proposer: NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4))], step_cost=cost,  # noqa: E731
                                merged=False, proposer=proposer)
     assert pays(lone(draft))  # a draft model's lone row probes at the guess: 2.77 >= 2
@@ -212,7 +222,8 @@ def test_an_aligned_batch_measures_a_stale_cost_again_on_evidence():
     for _ in range(StepCost.REFILL + 1):
         cost.observe(False, 0.008, rows=8, aligned=True)
     rows = [NS(spec=RowSpec(4, 4, alpha=0.9, evidence=3)) for _ in range(8)]
-    r = NS(spec=SpecConfig(), rows=rows, step_cost=cost, merged=True, _geo_layer=0, caches=[NS(aligned=True, holes=None)])
+    r = NS(spec=SpecConfig(), rows=rows, step_cost=cost, merged=True, _geo_layer=0, caches=[NS(aligned=True, holes=None)],
+           proposer=NS(shadows=True))
     assert not pays(r)
     for _ in range(StepCost.PROBE - StepCost.REFILL - 1):
         cost.observe(False, 0.008, rows=8, aligned=True)
