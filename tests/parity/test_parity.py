@@ -208,7 +208,7 @@ def test_spec_case_speculates_partly_and_the_oracle_agrees_on_the_rule():
     assert st["verify_steps"] >= 5 and 0 < st["accepted"] < st["drafted"], st
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # 50 s each
 def test_compiled_decode_passes_every_case_on_the_presets_it_serves(dtype):
     """--compile-decode against the same oracle and goldens: every case, B=1..4, exact."""
     r = mlxb("parity", "-m", "tiny-llama", "-m", "tiny-minicpm", "--dtype", dtype, "--b", "1,2,3,4", "--against", "both",

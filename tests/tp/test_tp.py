@@ -182,6 +182,7 @@ def _one_by_one(url: str) -> list[tuple]:
     return out
 
 
+@SLOW  # 24 s: the default suite stays under ~15 minutes on 2 cores
 def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank(tmp_path):
     port = free_port()
     proc, url = _start(port, "--prompt-cache-dir", str(tmp_path / "tp"))
