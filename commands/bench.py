@@ -382,4 +382,9 @@ def engine(
     console.print(f"wrote {out}")
 
 
-from mlxb.commands import bench_self  # noqa: E402,F401  (registers `bench spec` and `bench kv` on this app)
+from mlxb.commands import bench_self  # noqa: E402  (our engine against itself: spec, kv, lora, tp)
+
+app.command("spec")(bench_self.spec_bench)
+app.command("kv")(bench_self.kv)
+app.command("lora")(bench_self.lora_bench)
+app.command("tp")(bench_self.tp_bench)

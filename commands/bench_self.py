@@ -10,7 +10,6 @@ import typer
 from rich.table import Table
 
 from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
-from mlxb.commands.bench import app
 
 
 def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
@@ -35,7 +34,6 @@ def _ints(text: str, flag: str, example: str) -> tuple:
         raise ValidationError(f"{flag} takes comma-separated integers, e.g. {example}") from None
 
 
-@app.command("spec")
 @cli_errors
 def spec_bench(
     model: ModelOpt = None,
@@ -94,7 +92,6 @@ def spec_bench(
     _write(res, "spec", mspec, out)
 
 
-@app.command("kv")
 @cli_errors
 def kv(
     model: ModelOpt = None,
@@ -146,7 +143,6 @@ def kv(
     _write(res, "kv", spec, out)
 
 
-@app.command("lora")
 @cli_errors
 def lora_bench(
     model: ModelOpt = None,
@@ -184,7 +180,6 @@ def lora_bench(
     _write(res, "lora", spec, out)
 
 
-@app.command("tp")
 @cli_errors
 def tp_bench(
     model: ModelOpt = None,
@@ -199,8 +194,8 @@ def tp_bench(
 ) -> None:
     """Tensor parallel: our engine sharded over --tp ranks vs our engine on rank 0's device alone, one run."""
     from mlxb.bench.tp import allreduce_cost, model_shape, run
-    from mlxb.engine.tp import Link, init_group, shard_model
-    from mlxb.engine.tp_follower import run_follower
+    from mlxb.distributed.leader import Link, init_group, shard_model
+    from mlxb.distributed.follower import run_follower
     from mlxb.models import load_model
 
     bs = _ints(batches, "--batches", "1,32,64")

@@ -108,7 +108,7 @@ def parity(
                 results += run_parity(t, cs, against, root, machine, faults, _tracker(prog, t.label), link,
                                       compile_decode)
     if link is not None:
-        from mlxb.engine.tp import STOP
+        from mlxb.distributed.leader import STOP
 
         link.send([STOP])  # the other ranks leave their loops
     from mlxb.parity.compare import supersede_shared
@@ -135,8 +135,8 @@ def _tp_link(tp: int, models, dtype, all_):
     rank 0's engine until it is done (then this process exits)."""
     if tp <= 1:
         return None
-    from mlxb.engine.tp import Link, init_group, shard_model
-    from mlxb.engine.tp_follower import run_follower
+    from mlxb.distributed.leader import Link, init_group, shard_model
+    from mlxb.distributed.follower import run_follower
     from mlxb.errors import ValidationError
     from mlxb.models import load_model
 
@@ -151,7 +151,7 @@ def _tp_link(tp: int, models, dtype, all_):
             m = load_model(*src, lazy=True)[0]
             shard_model(m, link.group, t.model)
             if recipes:
-                from mlxb.engine.lora import install, read_adapter
+                from mlxb.adapters.lora import install, read_adapter
                 from mlxb.models.adapters import ensure_adapters
 
                 install(m, [read_adapter(f"a{i}", f) for i, f in enumerate(ensure_adapters(*src, t.model, recipes))])

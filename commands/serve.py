@@ -59,7 +59,7 @@ def serve(
     import uvicorn
 
     from mlxb.engine.build import build_gateway
-    from mlxb.engine.lora import LORA_PATHS
+    from mlxb.adapters.lora import LORA_PATHS
     from mlxb.errors import ValidationError
     from mlxb.server.app import create_app
 

@@ -105,7 +105,7 @@ class Request:
     ignore_eos: bool = False  # benchmarks: generate max_tokens even past EOS
     cache_prompt: bool = True  # False: neither reuse nor store this request's prefix (request field)
     num_draft_tokens: Optional[int] = None  # speculation per request (--spec): 0 turns it off, None: the server's
-    adapter: int = -1  # LoRA adapter slot (--adapters; mlxb.engine.lora), -1: the base model
+    adapter: int = -1  # LoRA adapter slot (--adapters; mlxb.adapters.lora), -1: the base model
     on_output: Optional[Callable[[Any], None]] = None  # called on the engine thread; raising evicts the row
     status: RequestStatus = RequestStatus.WAITING
     mechanism: str = "continuous"  # "serial" | "continuous"
@@ -116,7 +116,7 @@ class Request:
     snapshot_at: list[int] = field(default_factory=list)
     spec_drafted: Optional[int] = None  # --spec: draft tokens proposed for this row, and kept by the target
     spec_accepted: int = 0
-    constraint: Any = None  # mlxb.engine.grammar.Constraint: this row's grammar matcher (structured outputs)
+    constraint: Any = None  # mlxb.constrain.grammar.Constraint: this row's grammar matcher (structured outputs)
     requeues: int = 0  # times its prefill ran out of device memory and it went back to the queue
     timings: Timings = field(default_factory=Timings)
     error: Optional[str] = None

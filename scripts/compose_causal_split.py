@@ -9,7 +9,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 import mlx.core as mx
 from mlx_lm import load
 from mlxb.cache.kv_plan import KVScheme
-from mlxb.engine.spec import SpecConfig
+from mlxb.spec.verify import SpecConfig
 from mlxb.kernels import causal_split
 from tests.tiny.test_spec import run, repetitive_prompts, tokens
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from mlxb.engine.engine import Engine
 from mlxb.engine.gateway import _vocab_size
-from mlxb.engine.grammar import Constraint, Grammars
+from mlxb.constrain.grammar import Constraint, Grammars
 from mlxb.engine.stream import OutputStream
 from mlxb.models import load_model
 from mlxb.request import Request

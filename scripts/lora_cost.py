@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxb.engine.lora import install, read_adapter
+from mlxb.adapters.lora import install, read_adapter
 from mlxb.models.adapters import ensure_adapters
 from mlxb.models.registry import load_model
 

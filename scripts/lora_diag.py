@@ -1,7 +1,7 @@
 import sys, traceback, time
 import numpy as np
 from mlxb.engine.engine import Engine
-from mlxb.engine.lora import install, read_adapter
+from mlxb.adapters.lora import install, read_adapter
 from mlxb.models.adapters import ensure_adapters
 from mlxb.models.registry import load_model
 from mlxb.bench.kv import _decode_tps

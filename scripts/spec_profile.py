@@ -15,7 +15,7 @@ import time
 
 from mlxb.bench.spec import prompts_for
 from mlxb.engine.engine import Engine
-from mlxb.engine.spec import SpecConfig
+from mlxb.spec.verify import SpecConfig
 from mlxb.engine.stream import OutputStream
 from mlxb.models import load_model
 from mlxb.request import Request

@@ -8,7 +8,7 @@ times with a synchronization after each piece, arms interleaved:
 * the target forward over [B, L] tokens, L = 1 (a plain step) and the verify widths, once at a growing
   key length (every call a key length never seen before, as in serving) and once at a fixed one
   (the same shape again: the cache is rolled back after each call);
-* the rollback of the rejected tail (``mlxb.engine.spec.rollback``) on its own.
+* the rollback of the rejected tail (``mlxb.spec.verify.rollback``) on its own.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxb.cache.protocol import ROW_OPS, layer_kinds
-from mlxb.engine.spec import rollback
+from mlxb.spec.verify import rollback
 from mlxb.models import load_model
 
 

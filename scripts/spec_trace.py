@@ -8,7 +8,7 @@ from collections import Counter
 from mlxb.bench.kv import _decode_tps
 from mlxb.bench.spec import prompts_for
 from mlxb.engine.engine import Engine
-from mlxb.engine.spec import SpecConfig
+from mlxb.spec.verify import SpecConfig
 from mlxb.models.registry import load_model
 
 

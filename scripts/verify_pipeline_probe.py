@@ -1,7 +1,7 @@
 """Where a lone row's step time goes when steps are chained without reading (mlx-lm's model and KVCache,
 no engine): per step, the host time to build the graph, the time ``mx.async_eval`` takes, and the time
 to read the step before it, for one-token steps and [1, 1+K] verify forwards (the input of each step is
-the unread argmax of the one before, as ``mlxb.engine.spec_ahead`` chains them), each pipelined (launch
+the unread argmax of the one before, as ``mlxb.spec.ahead`` chains them), each pipelined (launch
 t+1, then read t) and synchronized (launch t, read t). Answers: does launching a step wait for the one in
 flight, and what does the host spend on a verify graph against a one-token one; on CUDA also with the split
 attention and the skinny matmul (attention weights, then every weight); with q/k/v and gate/up fused

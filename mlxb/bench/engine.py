@@ -37,6 +37,7 @@ from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
 from mlxb.engine.warmup import freeze_heap, warm_up
 from mlxb.request import Request
+from mlxb.bench.load import decode_rates as _rates
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int, ragged: bool = False) -> list[list[int]]:
@@ -73,14 +74,6 @@ def ours(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
 def _mark(ts: list, now: float) -> list:
     """Arrival times kept per stream: the first two tokens' and the latest one's."""
     return ts[:2] + [now] if len(ts) == 3 else ts + [now]
-
-
-def _rates(ts: list, gen: int) -> dict:
-    """One stream's decode rate from token 0 and from token 1 (arrival times of tokens 0, 1 and last)."""
-    out = {"decode": (gen - 1) / (ts[-1] - ts[0])}
-    if gen > 2:
-        out["decode_from1"] = (gen - 2) / (ts[-1] - ts[1])
-    return out
 
 
 def peer_single(model, tokenizer, prompt: list[int], gen: int) -> dict:

@@ -368,3 +368,11 @@ def knee(points: list[tuple[float, Optional[float]]], threshold: float) -> Optio
             break
         best = load
     return best
+
+
+def decode_rates(ts: list, gen: int) -> dict:
+    """One stream's decode rate from token 0 and from token 1 (arrival times of tokens 0, 1 and last)."""
+    out = {"decode": (gen - 1) / (ts[-1] - ts[0])}
+    if gen > 2:
+        out["decode_from1"] = (gen - 2) / (ts[-1] - ts[1])
+    return out

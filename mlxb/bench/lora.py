@@ -43,7 +43,7 @@ def _fused(source: str, folder: str):
 def run(source: str, *, adapters: int = 4, rank: int = 8, batches=(8, 32), context: int = 256, gen: int = 64,
         repeats: int = 2, prefill_chunk: int = 2048, progress: Optional[Callable[[str], None]] = None,
         lora_path: Optional[str] = None) -> dict:
-    from mlxb.engine.lora import install, read_adapter
+    from mlxb.adapters.lora import install, read_adapter
     from mlxb.models.adapters import ensure_adapters
     from mlxb.models.registry import load_model
 

@@ -18,12 +18,11 @@ import asyncio
 
 import httpx
 
-from mlxb.bench.engine import _rates
-from mlxb.bench.load import stream_request
+from mlxb.bench.load import decode_rates, stream_request
 
 
 def served_single(base_url: str, model: str, prompt: list[int], gen: int) -> dict:
-    """One streamed greedy completion of exactly ``gen`` tokens; rates as ``bench.engine._rates`` gives them."""
+    """One streamed greedy completion of exactly ``gen`` tokens; rates as ``bench.load.decode_rates`` gives them."""
     async def go():
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
             body = {"model": model, "prompt": prompt, "max_tokens": gen, "ignore_eos": True, "temperature": 0.0}
@@ -36,4 +35,4 @@ def served_single(base_url: str, model: str, prompt: list[int], gen: int) -> dic
         raise RuntimeError(f"served arm: asked for {gen} tokens, usage says {r.completion_tokens} "
                            f"in {len(r.itls) + 1} text chunks")
     t0 = r.start + r.ttft
-    return {"tokens": gen, "wall": r.end - r.start, "ttft": r.ttft, **_rates([t0, t0 + r.itls[0], r.end], gen)}
+    return {"tokens": gen, "wall": r.end - r.start, "ttft": r.ttft, **decode_rates([t0, t0 + r.itls[0], r.end], gen)}

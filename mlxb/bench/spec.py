@@ -31,7 +31,7 @@ import numpy as np
 
 from mlxb.bench.kv import _decode_tps
 from mlxb.engine.engine import Engine
-from mlxb.engine.spec import SpecConfig
+from mlxb.spec.verify import SpecConfig
 from mlxb.engine.stream import OutputStream
 from mlxb.engine.warmup import warm_up
 from mlxb.request import Request

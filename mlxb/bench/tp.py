@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from mlxb.bench.engine import _prompts, ours
 from mlxb.engine.engine import Engine
-from mlxb.engine.tp import Link, TPRunner
+from mlxb.distributed.leader import Link, TPRunner
 from mlxb.engine.warmup import freeze_heap, warm_up
 
 

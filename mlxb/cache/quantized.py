@@ -26,7 +26,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Qua
 
 from mlxb.cache.holes import compact, unholed
 from mlxb.cache.kv_plan import KVPlan, KVScheme, as_plan, check_plan, fit_plan  # noqa: F401 (re-exported)
-from mlxb.cache.protocol import AlignedBatchKVCache, roll_rows
+from mlxb.cache.dense import AlignedBatchKVCache, roll_rows
 from mlxb.kernels.quantized_attention import mark
 from mlxb.cache.quantized_read import QuantizedRowCache, as_row, contiguous, hide_tail, whole_buffer_reads, width_after
 

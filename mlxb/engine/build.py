@@ -45,7 +45,7 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
 
     cls = PromptCache
     if mirrored:
-        from mlxb.engine.tp_cache import MirroredPromptCache
+        from mlxb.distributed.cache import MirroredPromptCache
 
         cls = partial(MirroredPromptCache, runner=engine.runner)
     weights = sum(a.nbytes for _, a in tree_flatten(engine.model.parameters()))
@@ -99,13 +99,13 @@ def cuda_graph_env() -> str:
 def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int, draft_model: Optional[str],
                dtype: Optional[str], max_batch: int = 1, adaptive: bool = True, pipeline: str = "off"):
     """--spec / --draft-model as a SpecConfig; a draft model is loaded and checked against the target."""
-    from mlxb.engine.spec import SpecConfig
+    from mlxb.spec.verify import SpecConfig
     from mlxb.errors import ValidationError
 
     draft = name = None
     try:
         if draft_model is not None:
-            from mlxb.engine.draft import check_draft
+            from mlxb.spec.draft import check_draft
 
             draft, dtok, dspec, _ = load_model(draft_model, dtype)
             check_draft(model, tok, draft, dtok)
@@ -143,12 +143,12 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
             raise ValidationError(str(e), param="kv_bits") from None
     m, tok, spec_, path = load_model(model, dtype, lazy=link is not None)
     if link is not None:  # each rank keeps its shard of the weights (and of every KV row)
-        from mlxb.engine.tp import shard_model
-        from mlxb.engine.tp_follower import run_follower
+        from mlxb.distributed.leader import shard_model
+        from mlxb.distributed.follower import run_follower
 
         shard_model(m, link.group, spec_.name)
     if adapters:  # {name: folder}: every adapter over the shared base, chosen per row
-        from mlxb.engine.lora import install, read_adapter
+        from mlxb.adapters.lora import install, read_adapter
         from mlxb.errors import ValidationError
 
         if max_loras is not None and len(adapters) > max_loras:
@@ -189,7 +189,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         from functools import partial
 
         from mlxb.cache.protocol import layer_kinds
-        from mlxb.engine.tp import TPRunner
+        from mlxb.distributed.leader import TPRunner
         from mlxb.errors import ValidationError
 
         if any(k is None for k in layer_kinds(m)):  # the serial lane (mlx-lm's generate_step) is one process
@@ -212,7 +212,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     engine.warmup = warm_up(engine) if warmup else None  # before traffic: first-use kernel compiles
     engine.start()
     if link is not None:
-        from mlxb.engine.tp import watchdog
+        from mlxb.distributed.leader import watchdog
 
         watchdog(engine, link, tp_timeout)
     gw = Gateway(engine, tok, model_name=spec_.name, default_max_tokens=default_max_tokens, chat_template=chat_template)
@@ -289,6 +289,6 @@ def tp_link(tp: int, *, batch: int):
     if batch <= 1:
         raise ValidationError("--tp runs on the batch lane; --batch 1 (the strict serial path) is one process only: "
                               "use --batch 2 or more with --tp", param="tp")
-    from mlxb.engine.tp import Link, init_group
+    from mlxb.distributed.leader import Link, init_group
 
     return Link(init_group(tp))

@@ -56,7 +56,7 @@ class Engine:
         min_shared: int = 32,
         kv_scheme=None,
         spec=None,
-        runner_cls=Runner,  # mlxb.engine.tp.TPRunner (bound to its Link) under --tp
+        runner_cls=Runner,  # mlxb.distributed.leader.TPRunner (bound to its Link) under --tp
         compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
     ):
         model = engine_view(model)  # load_model's already; a model built elsewhere gets the corrections here

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from mlxb.engine.engine import Engine
 from mlxb.engine.scheduler import common_prefix
-from mlxb.engine.tools import ToolFormat, constraint_grammar, normalize_messages, tool_choice_mode, validate_tools
+from mlxb.constrain.tools import ToolFormat, constraint_grammar, normalize_messages, tool_choice_mode, validate_tools
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import ValidationError
 from mlxb.request import Request, SamplingParams
@@ -68,7 +68,7 @@ class Gateway:
         """llguidance over this model's tokenizer, built on first use (about a second) and kept."""
         with self._grammars_lock:
             if self._grammars is None:
-                from mlxb.engine.grammar import Grammars
+                from mlxb.constrain.grammar import Grammars
 
                 try:
                     self._grammars = Grammars(self.tokenizer, self.vocab_size,
@@ -226,7 +226,7 @@ class Gateway:
         return self.adapters.index(name)
 
     def constraint(self, inp: GenerationInput):
-        """The row's grammar matcher (``mlxb.engine.grammar.Constraint``) or None; a bad format is a 400."""
+        """The row's grammar matcher (``mlxb.constrain.grammar.Constraint``) or None; a bad format is a 400."""
         tools = validate_tools(inp.tools)
         choice = tool_choice_mode(inp.tool_choice, tools)
         if inp.response_format is None and inp.structured_outputs is None and choice[0] != "required":

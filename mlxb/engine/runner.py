@@ -35,10 +35,10 @@ from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
-from mlxb.engine.grammar import apply_row_masks
+from mlxb.constrain.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
-from mlxb.engine.spec import RowSpec, StepCost, row_spec, setup, decode as spec_decode
-from mlxb.engine.spec_ahead import cancel as cancel_ahead
+from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup, decode as spec_decode
+from mlxb.spec.ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
@@ -106,15 +106,15 @@ class Runner:
         self.timing: dict[str, float] = defaultdict(float)
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
-        self.lora = getattr(model, "mlxb_lora", None)  # mlxb.engine.lora.LoRAContext when --adapters
-        self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.engine.tp)
+        self.lora = getattr(model, "mlxb_lora", None)  # mlxb.adapters.lora.LoRAContext when --adapters
+        self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.distributed.leader)
         self.compiled = CompiledDecode(model, "compiled_mask_late" in faults, compile_decode == "all") if compile_decode else None
 
     def idle(self) -> None:
-        """The engine has nothing to run (``mlxb.engine.tp.TPRunner`` pings the other ranks)."""
+        """The engine has nothing to run (``mlxb.distributed.leader.TPRunner`` pings the other ranks)."""
 
     def fwd(self, rows, x, cache):
-        """The model over ``rows`` (batch order), each with its LoRA adapter slot (``mlxb.engine.lora``)."""
+        """The model over ``rows`` (batch order), each with its LoRA adapter slot (``mlxb.adapters.lora``)."""
         if self.lora is not None:
             slots = [r.req.adapter for r in rows]
             self.lora.set(slots[1:] + slots[:1] if "lora_shift" in self.faults else slots)  # planted: shifted by one

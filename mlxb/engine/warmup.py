@@ -20,7 +20,7 @@ from __future__ import annotations
 import gc
 import time
 
-from mlxb.engine.spec_control import StepCost
+from mlxb.spec.control import StepCost
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import MlxbError
 from mlxb.request import Request

@@ -1,6 +1,6 @@
 """The concat LoRA path's expand in one CUDA launch (``--lora-path concat`` on MLX's CUDA backend).
 
-The concat path (``mlxb.engine.lora_concat``) computes a group's base outputs and every adapter's shrinks ``z``
+The concat path (``mlxb.adapters.concat``) computes a group's base outputs and every adapter's shrinks ``z``
 in one product ``P = [y | z]``. What is left per adapted group is each row's expand: ``y + z[row's block] @ B``.
 MLX takes four ops for it (slice ``z``, multiply by the row mask, ``addmm`` onto ``P``, slice ``y`` back out),
 and on a GPU whose decode step is bound by the host's launches each op costs the host its dispatch. This kernel

@@ -38,7 +38,7 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
         scheme = KVScheme(case.kv["bits"], case.kv["group_size"], case.kv["start"])
     spec = None
     if case.spec:  # prompt lookup at every B, each row's draft length fixed (the protocol's rule)
-        from mlxb.engine.spec import SpecConfig
+        from mlxb.spec.verify import SpecConfig
 
         spec = SpecConfig("lookup", max(max(case.spec["rows"]), 1), case.spec["ngram"], max_batch=case.b,
                           adaptive=False)
@@ -47,7 +47,7 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                  spec=spec, compile_decode=compile_decode, **({"runner_cls": runner_cls} if runner_cls else {}))
     disk = tempfile.TemporaryDirectory() if case.prefix else None
     if case.prefix and hasattr(eng.runner, "link"):  # --tp: rank 0's cache names each entry to the other ranks
-        from mlxb.engine.tp_cache import MirroredPromptCache  # (RAM only: the SSD round trip keeps every entry)
+        from mlxb.distributed.cache import MirroredPromptCache  # (RAM only: the SSD round trip keeps every entry)
 
         eng.attach_prompt_cache(MirroredPromptCache(model, eng.kinds, max_bytes=1 << 40, runner=eng.runner))
     elif case.prefix:  # the prompt cache as served, RAM never full, SSD tier in a private folder
@@ -59,7 +59,7 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
     grammars = None
     if case.grammar:  # constrained rows: the server's own grammar path (llguidance matcher per row)
         from mlxb.engine.gateway import _vocab_size
-        from mlxb.engine.grammar import Grammars
+        from mlxb.constrain.grammar import Grammars
 
         grammars = Grammars(tokenizer, _vocab_size(model, tokenizer), sorted(getattr(tokenizer, "eos_token_ids", []) or []))
     timeline, streams, reqs, feeds = [], [], {}, []  # feeds: per iteration (tokens per forward row, verify step)

@@ -200,7 +200,7 @@ def run_oracle(cases: list[Case], progress: Optional[Progress] = None, loads: Op
 
 def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optional[Progress] = None,
              loads: Optional[dict] = None, tp=None, compile_decode: bool = False) -> list[dict]:
-    """Every case through our engine; ``tp`` (an ``mlxb.engine.tp.Link``): sharded, the other ranks following;
+    """Every case through our engine; ``tp`` (an ``mlxb.distributed.leader.Link``): sharded, the other ranks following;
     ``compile_decode``: decode steps compiled, a lone row's and the batch lane's (``mlxb.engine.compiled``)."""
     from functools import partial
 
@@ -210,7 +210,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
 
     runner_cls = Runner
     if tp is not None:
-        from mlxb.engine.tp import TPRunner, shard_model
+        from mlxb.distributed.leader import TPRunner, shard_model
 
         runner_cls = partial(TPRunner, link=tp)
 
@@ -225,7 +225,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
                 if tp is not None:
                     shard_model(m, tp.group, c.model)
                 if c.lora:
-                    from mlxb.engine.lora import install, read_adapter
+                    from mlxb.adapters.lora import install, read_adapter
                     from mlxb.models.adapters import ensure_adapters
 
                     folders = ensure_adapters(*src, c.model, c.lora["adapters"])
@@ -246,7 +246,7 @@ def run_ours(cases: list[Case], faults: frozenset = frozenset(), progress: Optio
 def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
            faults: frozenset = frozenset(), progress: Optional[Progress] = None, tp=None,
            compile_decode: bool = False) -> list[CaseResult]:
-    """``tp``: the engine runs sharded (``mlxb.engine.tp.Link``); steps whose logits are not bit-equal to
+    """``tp``: the engine runs sharded (``mlxb.distributed.leader.Link``); steps whose logits are not bit-equal to
     the unsharded reference may pass within ``goldens/tp_envelope.json`` (tokens must agree)."""
     tp_envs = {c.case: goldens.tp_envelope(root, t.dtype, t.label, c.case) for c in cases} if tp is not None else {}
     if against not in ("live", "golden", "both"):

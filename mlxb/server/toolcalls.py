@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Any, Optional
 
-from mlxb.engine.tools import ToolFormat
+from mlxb.constrain.tools import ToolFormat
 
 
 def _call_id() -> str:

@@ -4,7 +4,7 @@ seeded share of wrong tokens, so the acceptance follows ``replay_miss``: all dra
 import numpy as np
 
 from mlxb.bench.spec import ReplayProposer, run
-from mlxb.engine.spec import SpecConfig
+from mlxb.spec.verify import SpecConfig
 
 
 def test_replay_proposes_the_reference_with_seeded_misses_and_stops_off_it():

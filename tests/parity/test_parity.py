@@ -189,7 +189,7 @@ def test_spec_case_speculates_partly_and_the_oracle_agrees_on_the_rule():
     a verify step) and the oracle's written-out lookup proposes what the engine's proposer does."""
     import numpy as np
 
-    from mlxb.engine.spec import HOLE_FRACTION, HOLE_MIN, LookupProposer
+    from mlxb.spec.verify import HOLE_FRACTION, HOLE_MIN, LookupProposer
     from mlxb.models import load_model
     from mlxb.oracle.spec import lookup
     from mlxb.parity.driver import run_engine

@@ -64,7 +64,7 @@ def test_sampled_and_logprob_rows_keep_their_draws(tiny_models):
 
 
 def test_speculation_still_gives_plain_greedy_text(tiny_models):
-    from mlxb.engine.spec import SpecConfig
+    from mlxb.spec.verify import SpecConfig
 
     model, tok, _, _ = tiny_models("tiny-llama")
     block = list(range(500, 532))

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from mlxb.engine.engine import Engine
-from mlxb.engine.grammar import Grammars
+from mlxb.constrain.grammar import Grammars
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request, SamplingParams
 
@@ -112,7 +112,7 @@ def test_constrained_rows_with_quantized_kv(llama):
 def test_constrained_rows_speculate_and_keep_their_grammar(llama):
     """--spec lookup on grammar rows: each position's mask follows the tokens before it, so greedy rows
     give plain decoding's text and seeded rows still match their grammar."""
-    from mlxb.engine.spec import SpecConfig
+    from mlxb.spec.verify import SpecConfig
 
     model, tok, g = llama
     gs = g.validate(g.from_schema(SCHEMA, "s"), "s")

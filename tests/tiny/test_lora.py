@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlxb.engine.engine import Engine
-from mlxb.engine.lora import install, read_adapter
+from mlxb.adapters.lora import install, read_adapter
 from mlxb.models.adapters import build_adapter
 from mlxb.engine.stream import OutputStream
 from mlxb.models import load_model
@@ -121,7 +121,7 @@ def rows_within(model, tok, prompts, paths) -> float:
 
 
 def test_stacked_mask_puts_each_rows_scale_on_its_adapters_block():
-    from mlxb.engine.lora import LoRAContext
+    from mlxb.adapters.lora import LoRAContext
 
     ctx = LoRAContext(["a", "b", "c"])
     ctx.scales, ctx.rank = [2.0, 3.0, 5.0], 2
@@ -134,7 +134,7 @@ def test_stacked_mask_puts_each_rows_scale_on_its_adapters_block():
 def test_context_keeps_a_steady_batchs_row_arrays_and_rebuilds_masks_each_forward():
     """A forward with the same rows as the last one reuses their slot arrays (no new host copies per step); a
     change of rows makes new ones; masks (lazy arrays) are made again for every forward."""
-    from mlxb.engine.lora import LoRAContext
+    from mlxb.adapters.lora import LoRAContext
 
     ctx = LoRAContext(["a", "b"])
     ctx.scales, ctx.rank = [2.0, 3.0], 2
@@ -175,7 +175,7 @@ def test_concat_path_gives_each_row_its_own_adapter(adapters):
     ``addmm`` of the masked shrinks) keeps each row on its own adapter: tokens equal mlx-lm alone with that
     adapter, logprobs within float32 rounding; the planted slot shift changes the first row. Adapter y covers
     only the last layer, so groups it does not touch carry zero factors for it."""
-    from mlxb.engine.lora_concat import CatLoRAPart
+    from mlxb.adapters.concat import CatLoRAPart
 
     rng = np.random.default_rng(5)
     prompts = [rng.integers(5, 8000, size=n).tolist() for n in (19, 8, 27)]
@@ -190,7 +190,7 @@ def test_concat_path_gives_each_row_its_own_adapter(adapters):
 
 
 def test_concat_block_mask_selects_each_rows_adapter_block():
-    from mlxb.engine.lora import LoRAContext
+    from mlxb.adapters.lora import LoRAContext
 
     ctx = LoRAContext(["a", "b"])
     ctx.set([1, -1, 0])

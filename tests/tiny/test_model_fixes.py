@@ -74,7 +74,7 @@ def test_speculation_on_a_serial_only_model_is_off_with_a_reason():
     builds it (``CacheList`` layers) stands for one here; ``load_model`` flattens those lists, so served
     Falcon-H1 batches (next test)."""
     from mlxb.cache.protocol import layer_kinds
-    from mlxb.engine.spec import SpecConfig, setup
+    from mlxb.spec.verify import SpecConfig, setup
 
     cfg = dict(model_type="falcon_h1", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxb.engine.engine import Engine
-from mlxb.engine.spec import LookupProposer, SpecConfig, accept_sampled
+from mlxb.spec.verify import LookupProposer, SpecConfig, accept_sampled
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request, SamplingParams
 
@@ -85,7 +85,7 @@ def test_greedy_output_is_token_identical_with_joins_and_retirements(tiny_models
 
 
 def test_planted_rollback_off_by_one_changes_the_output(tiny_models, monkeypatch):
-    import mlxb.engine.spec as S
+    import mlxb.spec.rows as S
 
     model, tok = tiny_models("tiny-llama")[:2]
     prompts = repetitive_prompts()
@@ -198,7 +198,7 @@ def test_sampling_rule_keeps_the_target_distribution(draft):
 
 # ---- --spec draft (--draft-model) ---------------------------------------------------------------
 def test_speculation_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny_models, monkeypatch):
-    import mlxb.engine.spec as S
+    import mlxb.spec.verify as S
 
     model, tok = tiny_models("tiny-llama")[:2]
     prompts = repetitive_prompts()
@@ -215,7 +215,7 @@ def test_speculation_pauses_while_the_batch_is_larger_than_spec_max_batch(tiny_m
 def test_holes_compacted_every_step_change_no_token(tiny_models, monkeypatch):
     """Rejected entries stay as masked holes; compacting them into the left padding at every step (the
     bound at zero) gives the same tokens as leaving them until rows retire."""
-    import mlxb.engine.spec as S
+    import mlxb.spec.rows as S
 
     model, tok = tiny_models("tiny-llama")[:2]
     prompts = repetitive_prompts()
@@ -260,7 +260,7 @@ def test_adaptive_speculation_compacts_the_holes_when_the_batch_goes_plain(tiny_
     """With the adaptive controller, the first step that the bar makes plain compacts every batch layer's
     rejected entries (a step over holes pays the masked path); the output stays token-identical to plain
     decoding."""
-    from mlxb.engine.spec import StepCost, prepare
+    from mlxb.spec.verify import StepCost, prepare
 
     model, tok = tiny_models("tiny-llama")[:2]
     prompts = repetitive_prompts()

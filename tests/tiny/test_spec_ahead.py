@@ -1,4 +1,4 @@
-"""Pipelined verify steps for a lone greedy row (``--spec-pipeline``, ``mlxb.engine.spec_ahead``): the
+"""Pipelined verify steps for a lone greedy row (``--spec-pipeline``, ``mlxb.spec.ahead``): the
 next verify step is launched before the current one is read. Greedy output stays token-identical to
 plain decoding through kept, dropped and cancelled guesses (joins, retirements, EOS and max_tokens in a
 block, the prompt cache storing a row that had a step in flight); a planted cancel that leaves the
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mlxb.cache.prompt_cache import PromptCache
-from mlxb.engine import spec_ahead
+from mlxb.spec import ahead as spec_ahead
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxb.engine.engine import Engine
-from mlxb.engine.spec import SpecConfig, accept_sampled
+from mlxb.spec.verify import SpecConfig, accept_sampled
 from mlxb.request import SamplingParams
 from tests.tiny.test_spec import repetitive_prompts, run, tokens
 

@@ -130,7 +130,7 @@ def install_emulated(tmp_path, monkeypatch, max_rows):
     """tiny-llama with adapters x (rank 8) and y (rank 4, last layer only) on the concat path, the kernel emulated
     (32 threads a block) for forwards of up to ``max_rows`` rows. Returns model, tokenizer, adapter folders by
     slot, and the row count of every emulated launch."""
-    from mlxb.engine import lora
+    from mlxb.adapters import lora
     from mlxb.models import load_model
     from mlxb.models.adapters import build_adapter
 
@@ -172,7 +172,7 @@ def test_engine_rows_take_the_kernel_and_keep_their_adapters(tmp_path, monkeypat
 
 
 def test_off_cuda_the_concat_path_takes_no_kernel(tmp_path):
-    from mlxb.engine import lora
+    from mlxb.adapters import lora
     from mlxb.models import load_model
     from mlxb.models.adapters import build_adapter
 

@@ -132,7 +132,7 @@ def test_engine_rows_take_the_fused_kernel_and_keep_their_adapters(tmp_path, mon
     adapters and the base in one batch (prefill chunks and decode steps, joins) give the tokens of mlx-lm alone
     with each row's adapter, logprobs within float32 summation-order noise (1.1e-4 measured over the 10 steps, as
     the stacked path's test allows 1e-3); the planted slot shift fails."""
-    from mlxb.engine import lora
+    from mlxb.adapters import lora
     from mlxb.models import load_model
     from mlxb.models.adapters import build_adapter
     from tests.tiny.test_lora import rows_within
@@ -165,7 +165,7 @@ def test_engine_rows_take_the_fused_kernel_and_keep_their_adapters(tmp_path, mon
 
 
 def test_fused_path_is_refused_off_cuda_naming_the_other_paths(tmp_path):
-    from mlxb.engine import lora
+    from mlxb.adapters import lora
     from mlxb.errors import ValidationError
     from mlxb.models import load_model
     from mlxb.models.adapters import build_adapter

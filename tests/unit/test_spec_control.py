@@ -4,7 +4,7 @@ plain steps, the bar a batch must clear, pauses, stale-cost probes, shadow draft
 
 import numpy as np
 
-from mlxb.engine.spec import SpecConfig
+from mlxb.spec.verify import SpecConfig
 
 
 def test_pauses_follow_the_verify_cost_measured_on_this_machine():
@@ -12,7 +12,7 @@ def test_pauses_follow_the_verify_cost_measured_on_this_machine():
     plain steps here (median wall times): the same acceptance keeps speculating where a verify step
     costs 1.8 plain steps (an H200) and pauses where it costs 4.7 (a compute-bound CPU); --spec-fixed
     never pauses. A pause resets the draft length to the longest, so the probe after it drafts fully."""
-    from mlxb.engine.spec import MIN_GAIN, RowSpec, StepCost
+    from mlxb.spec.verify import MIN_GAIN, RowSpec, StepCost
 
     cost = StepCost()
     assert cost.ratio == MIN_GAIN  # nothing measured yet
@@ -33,7 +33,7 @@ def test_the_verify_cost_counts_steady_plain_steps_per_batch_size():
     that read the pipeline early and found no drafts) are not what a plain step costs: counted, they made
     a verify step look free on the H200. What they take beyond a steady step is the verify step's: it
     broke the pipeline. And a verify step's cost at B=8 says nothing about B=1."""
-    from mlxb.engine.spec import MIN_GAIN, StepCost
+    from mlxb.spec.verify import MIN_GAIN, StepCost
 
     cost = StepCost()
     for _ in range(5):
@@ -68,7 +68,7 @@ def test_a_row_whose_draft_length_fell_can_still_clear_the_bar():
     that accepts well is not held under a cost of 2.1 plain steps that 1 + alpha can never reach."""
     from types import SimpleNamespace as NS
 
-    from mlxb.engine.spec import RowSpec, StepCost, pays
+    from mlxb.spec.verify import RowSpec, StepCost, pays
 
     cost = StepCost()
     cost.observe(True, 0.0105)
@@ -85,7 +85,7 @@ def test_a_verify_step_runs_only_when_the_whole_batch_gains():
     not make it worth 1.8 plain steps, eight of them do."""
     from types import SimpleNamespace as NS
 
-    from mlxb.engine.spec import RowSpec, StepCost, pays
+    from mlxb.spec.verify import RowSpec, StepCost, pays
 
     cost = StepCost()
     cost.observe(True, 0.009, rows=8)
@@ -108,7 +108,7 @@ def test_a_high_verify_cost_is_measured_again_after_a_while():
     from it (``PROBE_GAIN``), not for rows whose drafts are rarely kept."""
     from types import SimpleNamespace as NS
 
-    from mlxb.engine.spec import RowSpec, StepCost, pays
+    from mlxb.spec.verify import RowSpec, StepCost, pays
 
     cost = StepCost()
     cost.observe(True, 0.5)  # one slow verify step
@@ -133,7 +133,7 @@ def test_shadow_drafts_measure_acceptance_without_a_verify_step():
     row per step looks drafts up."""
     from types import SimpleNamespace as NS
 
-    from mlxb.engine.spec import LookupProposer, RowSpec, shadow
+    from mlxb.spec.verify import LookupProposer, RowSpec, shadow
 
     block = [11, 12, 13, 14, 15, 16, 17, 18]
     copy = NS(spec=RowSpec(4, 4, np.array(block * 3)), tokens=[])
@@ -160,7 +160,7 @@ def test_an_aligned_batch_speculates_only_on_evidence():
     guess once, at any batch size, aligned or padded, and their evidence decides after it."""
     from types import SimpleNamespace as NS
 
-    from mlxb.engine.spec import RowSpec, StepCost, pays
+    from mlxb.spec.verify import RowSpec, StepCost, pays
 
     cost = StepCost()
     cost.observe(True, 0.016, rows=8)
@@ -215,7 +215,7 @@ def test_an_aligned_batch_measures_a_stale_cost_again_on_evidence():
     once stale, the cost counts as the default and rows with measured high acceptance speculate."""
     from types import SimpleNamespace as NS
 
-    from mlxb.engine.spec import RowSpec, StepCost, pays
+    from mlxb.spec.verify import RowSpec, StepCost, pays
 
     cost = StepCost()
     cost.observe(True, 0.5, rows=8)
@@ -237,7 +237,7 @@ def test_lookup_matches_the_reference_search_and_the_history_buffer_follows_the_
     """The vectorized lookup (narrowed from the positions of the last token) proposes exactly what the
     oracle's plain search over every n-gram proposes, on short and long histories of small and large
     vocabularies; a row's history buffer equals prompt + emitted tokens as they grow past its size."""
-    from mlxb.engine.spec import LookupProposer, RowSpec
+    from mlxb.spec.verify import LookupProposer, RowSpec
     from mlxb.oracle.spec import lookup
 
     rng = np.random.default_rng(3)
@@ -263,8 +263,8 @@ def test_the_draft_length_shrinks_only_where_a_wider_verify_costs_more(monkeypat
     """After a partly kept block the next draft is one longer than what held, where a verify step costs
     more than a plain one (compute-bound, or synchronous where plain steps pipeline); where it costs about one plain step (an H200 at B=8) every
     position is free and the row keeps drafting the longest."""
-    from mlxb.engine import spec_control
-    from mlxb.engine.spec import RowSpec
+    from mlxb.spec import control as spec_control
+    from mlxb.spec.verify import RowSpec
 
     monkeypatch.setattr(spec_control, "CHEAP_VERIFY", 0.0)  # MLXB_SPEC_CHEAP_VERIFY=0: always the shrink
     off = RowSpec(4, 4, alpha=0.9)

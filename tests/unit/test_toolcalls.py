@@ -4,7 +4,7 @@ import json
 
 from mlx_lm.tool_parsers import json_tools
 
-from mlxb.engine.tools import ToolFormat
+from mlxb.constrain.tools import ToolFormat
 from mlxb.server.toolcalls import ToolCallStream, split
 
 FMT = ToolFormat(json_tools.parse_tool_call, json_tools.tool_call_start, json_tools.tool_call_end, "json_tools")

@@ -4,7 +4,7 @@ call, and that the follower replays exactly those calls, in order, with the same
 import mlx.core as mx
 
 from mlxb.cache.kv_plan import KVPlan, KVScheme
-from mlxb.engine import tp, tp_follower
+from mlxb.distributed import follower as tp_follower, leader as tp
 from mlxb.engine.runner import FAULTS
 
 
@@ -219,7 +219,7 @@ def test_prompt_cache_words_name_each_entry_and_free_it_after_the_iteration():
     entry covered by a longer one is freed with the next decode step (rank 0 may still lend from it)."""
     from mlx_lm.models.cache import KVCache
 
-    from mlxb.engine.tp_cache import SRC_EXTRACT, SRC_ROW, FollowerStore, MirroredPromptCache
+    from mlxb.distributed.cache import SRC_EXTRACT, SRC_ROW, FollowerStore, MirroredPromptCache
     from mlxb.models import load_model
 
     class Rank0:

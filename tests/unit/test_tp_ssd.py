@@ -5,7 +5,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from mlxb.cache.ssd import tokens_hash
-from mlxb.engine.tp_cache import FollowerDisk, name_path, name_words, rank_dir
+from mlxb.distributed.cache import FollowerDisk, name_path, name_words, rank_dir
 
 
 def test_entry_names_travel_as_six_words_and_map_to_the_same_file_on_every_rank(tmp_path):

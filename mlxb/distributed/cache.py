@@ -2,7 +2,7 @@
 
 Rank 0's ``PromptCache`` (``MirroredPromptCache``) makes every decision: lookups, LRU, the budget,
 memory pressure. Each entry it stores gets an id, and the other ranks are told, in the words of the
-next message (``mlxb.engine.tp``), where their copy of the same snapshot comes from and when to drop it:
+next message (``mlxb.distributed.leader``), where their copy of the same snapshot comes from and when to drop it:
 
 * ``PUT id src index tokens``: snapshot single-row caches of this rank into entry ``id``. The source
   is a row's prefill caches (``SRC_ROW``, its key: a chunk-boundary snapshot), a cohort row extracted
@@ -45,11 +45,9 @@ import mlx.core as mx
 from mlxb.cache import snapshot as snap
 from mlxb.cache.prompt_cache import PromptCache, prepare_payload, write_payload
 from mlxb.cache.ssd import file_sha256, tokens_hash, write_atomically
-from mlxb.engine.tp import DISK_DROP, PUT, RESTORE, SPILL
+from mlxb.distributed.protocol import DISK_DROP, PUT, RESTORE, SPILL, SRC_COHORT, SRC_EXTRACT, SRC_ROW  # noqa: F401
 
 log = logging.getLogger("mlxb.prompt_cache")
-
-SRC_ROW, SRC_COHORT, SRC_EXTRACT = range(3)
 
 
 def rank_dir(root, size: int, rank: int) -> Path:

@@ -4,7 +4,7 @@
 Every rank loads the model and shards it with the model's own ``shard(group)`` (mlx-lm's
 attention heads and MLP columns split, an ``all_sum`` after ``o_proj`` and ``down_proj``), so each
 rank holds 1/N of the weights and 1/N of every KV row. Rank 0 runs everything else: HTTP, the
-gateway, the scheduler, sampling, delivery. The other ranks run ``mlxb.engine.tp_follower``: a plain
+gateway, the scheduler, sampling, delivery. The other ranks run ``mlxb.distributed.follower``: a plain
 ``Runner`` over their shard that replays rank 0's runner calls.
 
 How the ranks stay in step (``TPRunner`` on rank 0):
@@ -29,7 +29,7 @@ How the ranks stay in step (``TPRunner`` on rank 0):
   the process non-zero, which makes ``mlx.launch`` stop the other ranks.
 
 Refused under ``--tp``: ``--batch 1`` (the serial lane). Mirrored: the prompt cache (RAM and SSD tiers,
-``mlxb.engine.tp_cache``), speculation, LoRA (each rank holds its part of every adapter's factors).
+``mlxb.distributed.cache``), speculation, LoRA (each rank holds its part of every adapter's factors).
 """
 
 from __future__ import annotations
@@ -41,18 +41,13 @@ import weakref
 from collections import deque
 from typing import Optional
 
-import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
-from mlxb.engine.tp_link import HEAD, Link, backend_name, command_group, init_group, shard_model  # noqa: F401 (re-exported)
+from mlxb.distributed.link import HEAD, Link, backend_name, command_group, init_group, shard_model  # noqa: F401 (re-exported)
 from mlxb.request import Request
-
-NEW, CHUNK, FIRST, COHORT, JOIN_COHORT, JOIN, DECODE, FILTER, DROP, FORGET, PING, STOP, ENGINE = range(1, 14)
-SEED, PUT, FREE, EXTRACT = range(14, 18)  # the prompt cache's entries on every rank (mlxb.engine.tp_cache)
-VERIFY, SETTLE, COMPACT = range(18, 21)  # --spec: rank 0's drafts, what each row kept, holes compacted (mlxb.engine.spec)
-SPILL, RESTORE, DISK_DROP = range(21, 24)  # the prompt cache's SSD tier on every rank (mlxb.engine.tp_cache)
-JOIN_MODES = ("extend", "merge")
-EXIT_CODE = 70  # the process exits with this when a rank stopped answering
+from mlxb.distributed.protocol import (  # noqa: F401 (re-exported)
+    CHUNK, COHORT, COMPACT, DECODE, DISK_DROP, DROP, ENGINE, EXIT_CODE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
+    JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, RESTORE, SEED, SETTLE, SPILL, SRC_COHORT, SRC_EXTRACT, SRC_ROW, STOP, VERIFY)
 
 
 class RanksOutOfStep(BaseException):
@@ -116,11 +111,9 @@ class TPRunner(Runner):
         self._rows[key] = row
         return row
 
-    # ---- the prompt cache (mlxb.engine.tp_cache) ----------------------------------------------
+    # ---- the prompt cache (mlxb.distributed.cache) ----------------------------------------------
     def cache_source(self, layers) -> Optional[tuple]:
         """How the other ranks name ``layers``: a row's prefill caches, a cohort row or an extracted row."""
-        from mlxb.engine.tp_cache import SRC_ROW
-
         for key, row in list(self._rows.items()):
             if row.solo is layers:
                 return (SRC_ROW, key)
@@ -155,8 +148,6 @@ class TPRunner(Runner):
         self._queued += [SEED, row.tp_key, entry.tp_id, n]
 
     def extract_rows(self, indices):
-        from mlxb.engine.tp_cache import SRC_EXTRACT
-
         out = super().extract_rows(indices)
         self._queued += [EXTRACT, len(indices), *indices]
         for j, (_, layers, _) in enumerate(out):
@@ -170,8 +161,6 @@ class TPRunner(Runner):
         return self._mirrored((FIRST, row.tp_key), super().first_token, row)
 
     def prefill_cohort(self, rows, starts=None, snapshot=None):
-        from mlxb.engine.tp_cache import SRC_COHORT
-
         starts = starts or [0] * len(rows)
         named = None
         if snapshot is not None:  # the followers extract every cohort row too; PUT names the ones kept
@@ -199,7 +188,7 @@ class TPRunner(Runner):
             return self._mirrored((DECODE,), super().decode_step)
         # --spec: rank 0 reads, gates and proposes first; the others then run the same forward (a plain
         # step, or the verify feed built from these drafts) and, with the next message, its outcome
-        from mlxb.engine.spec import decode, verify_step
+        from mlxb.spec.verify import decode, verify_step
 
         def verify(props):
             words = (VERIFY, len(props), *[len(p) for p in props], *[x for p in props for x in p])

@@ -93,7 +93,7 @@ class DraftProposer:
     # ---- proposing ---------------------------------------------------------------------------
     def propose_rows(self, r, ks: list[int]) -> list[list[int]]:
         """Up to ``ks[i]`` drafts for row i (every row's caches advance alike; rows take their own k)."""
-        from mlxb.engine.spec import rollback
+        from mlxb.spec.rows import rollback
 
         rows = r.rows
         K = max(ks)
@@ -141,7 +141,7 @@ class DraftProposer:
     def commit(self, r, kept: list[int]) -> None:
         """After the verify step: keep the accepted drafts the draft caches hold (at most K - 1 of
         them), roll the rest back."""
-        from mlxb.engine.spec import rollback
+        from mlxb.spec.rows import rollback
 
         fed = [min(a, self._width - 1) for a in kept]
         rollback(self.caches, self.kinds, [self._width - 1 - f for f in fed], self.merged)

@@ -1,5 +1,5 @@
 """When speculation runs: each row's draft length and pauses, and whether a verify step pays for the
-batch, from acceptance and the measured cost of a verify step (``mlxb.engine.spec`` runs the steps).
+batch, from acceptance and the measured cost of a verify step (``mlxb.spec.verify`` runs the steps).
 
 Acceptance is learnt from verify steps and, for prompt lookup, from *shadow* drafts: while the bar
 keeps a batch plain, one row per step looks its drafts up anyway and later compares them with the
@@ -41,7 +41,7 @@ class RowSpec:
     backoff: int = COOLDOWN
     adaptive: bool = True
     evidence: int = 0  # verify steps and shadow drafts that measured ``alpha``
-    full: float = 0.5  # running rate of verify steps whose drafts all held (``mlxb.engine.spec_ahead``)
+    full: float = 0.5  # running rate of verify steps whose drafts all held (``mlxb.spec.ahead``)
     shadow: list = field(default_factory=list)  # lookup drafts made while plain, checked against what follows
     shadow_at: int = 0  # the row's token count when they were made
     _buf: np.ndarray = field(default=None, repr=False)  # prompt + emitted tokens, grown in place (``history``)

@@ -1,6 +1,6 @@
 """The follower side of ``--tp`` (ranks other than 0): replay rank 0's runner calls on this shard.
 
-Rank 0's ``mlxb.engine.tp.TPRunner`` sends each call as int32 words (see that module for the
+Rank 0's ``mlxb.distributed.leader.TPRunner`` sends each call as int32 words (see that module for the
 protocol); ``follow`` decodes them in order and runs the same ``Runner`` methods, so every rank's KV
 shard goes through the same joins, filters and steps. The follower samples nothing of its own:
 tokens reach it inside each step's graph (``Link.share``).
@@ -13,11 +13,12 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.engine.runner import FAULTS, Runner
-from mlxb.engine.tp import (CHUNK, COHORT, DECODE, DISK_DROP, DROP, ENGINE, EXTRACT, FILTER, FIRST, FORGET, FREE, JOIN,
-                            JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, RESTORE, SEED, SETTLE, SPILL, STOP, VERIFY, COMPACT,
-                            Link)
-from mlxb.engine.spec import follow_verify, settle, settle_holes
-from mlxb.engine.tp_cache import FollowerDisk, FollowerStore, rank_dir
+from mlxb.distributed.link import Link
+from mlxb.distributed.protocol import (CHUNK, COHORT, COMPACT, DECODE, DISK_DROP, DROP, ENGINE, EXTRACT, FILTER, FIRST,
+                                       FORGET, FREE, JOIN, JOIN_COHORT, JOIN_MODES, NEW, PING, PUT, RESTORE, SEED,
+                                       SETTLE, SPILL, STOP, VERIFY)
+from mlxb.spec.verify import follow_verify, settle, settle_holes
+from mlxb.distributed.cache import FollowerDisk, FollowerStore, rank_dir
 from mlxb.request import Request
 
 

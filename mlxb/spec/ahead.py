@@ -63,7 +63,7 @@ def eligible(r) -> bool:
     mode = getattr(r.spec, "pipeline", "off")
     if mode == "off" or r.merged or len(r.rows) != 1 or r.kv is not None or r.capture is not None:
         return False
-    from mlxb.engine.spec import LookupProposer
+    from mlxb.spec.lookup import LookupProposer
 
     if not getattr(r, "pipeline_verify", False) or not isinstance(r.proposer, LookupProposer):
         return False
@@ -88,7 +88,7 @@ def launch(r, props: list, first: mx.array) -> Ahead:
 def guess_next(r, cur: Ahead) -> list:
     """The drafts for the step after ``cur``, looked up as if all of ``cur``'s drafts held ([] if none,
     or if the row would not speculate then)."""
-    from mlxb.engine.spec_control import pays
+    from mlxb.spec.control import pays
 
     row = r.rows[0]
     st = row.spec
@@ -114,7 +114,7 @@ def run(r, props: list[int]) -> list:
 
 def resolve(r, cur: Ahead) -> list:
     """Launch the guessed next step, then read ``cur``: emit its tokens, keep or drop the next step."""
-    from mlxb.engine.spec import greedy_keep, settle, tally
+    from mlxb.spec.rows import greedy_keep, settle, tally
 
     t0 = time.perf_counter()
     row = r.rows[0]
@@ -147,7 +147,7 @@ def resolve(r, cur: Ahead) -> list:
 
 def cancel(r) -> None:
     """Drop the verify step in flight (the batch is about to change): its entries leave the caches."""
-    from mlxb.engine.spec import rollback
+    from mlxb.spec.rows import rollback
 
     nxt = getattr(r, "ahead", None)
     if nxt is None:

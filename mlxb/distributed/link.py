@@ -1,4 +1,4 @@
-"""The ranks of ``--tp`` and how rank 0 talks to them (``mlxb.engine.tp``): the world group, sharding a model
+"""The ranks of ``--tp`` and how rank 0 talks to them (``mlxb.distributed.leader``): the world group, sharding a model
 with its own ``shard(group)``, which ``mx.distributed`` backend ``mlx.launch`` set up, and ``Link``: int32
 messages from rank 0 (a ``HEAD``-word head, then the rest) and the in-graph broadcast of sampled tokens."""
 

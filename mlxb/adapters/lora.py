@@ -327,7 +327,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     """Replace every module an adapter touches with a ``MultiLoRALinear`` over all adapters (under
     ``--tp``, on a sharded model: each rank keeps its part of the factors). ``lora_path``: exact | stacked |
     auto | fused | concat. ``concat`` (and auto on CUDA, unsharded) first gives the groups of plain ``Linear``
-    layers to ``mlxb.engine.lora_concat``; every other projection takes its path from ``_path_for``."""
+    layers to ``mlxb.adapters.concat``; every other projection takes its path from ``_path_for``."""
     ctx = LoRAContext([a.name for a in adapters], {a.name: a.path for a in adapters}, [a.digest for a in adapters])
     ctx.scales = [a.scale for a in adapters]
     modules = dict(model.named_modules())
@@ -347,7 +347,7 @@ def install(model: nn.Module, adapters: list[Adapter], max_rank: Optional[int] =
     if want == "concat" and sharded:
         raise ValidationError("--lora-path concat is not supported under --tp; use stacked or exact", param="lora_path")
     if want == "concat" or (want == "auto" and cuda and not sharded):  # auto: concat on CUDA (README, LoRA)
-        from mlxb.engine.lora_concat import install_groups
+        from mlxb.adapters.concat import install_groups
 
         ctx.cat_kernel, ctx.cat_kernel_off = _cat_kernel(cuda)
         concat = install_groups(model, ctx, adapters, paths, r, lambda la, lb: _pad_rank(la, lb, r))

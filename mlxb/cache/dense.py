@@ -1,0 +1,144 @@
+"""The dense batch layer: mlx-lm's ``BatchKVCache`` plus a host-side
+``aligned`` flag the runner sets when no row has left padding. A one-token step over an aligned
+batch then needs no attention mask (every key is visible to every row), exactly like the single-row
+cache; the mask is skipped, which on some backends also selects a faster attention kernel.
+The mask is skipped only where attention without it gives the same bits as with an all-True mask
+(``mask_free_is_exact``, probed once per head size and dtype): on MLX's CUDA backend it did not for
+tiny-gemma4, whose batched rows then differed from mlx-lm in the last bits. ``MLXB_ALIGNED_NO_MASK=0``
+always keeps the mask; ``=force`` always skips it (faster on CUDA, not bit-exact there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxb.cache.holes import compact, unholed
+
+_SKIP_ALIGNED_MASK = os.environ.get("MLXB_ALIGNED_NO_MASK", "1") != "0"
+# "force": skip it even where the probe says the bits differ (CUDA: ~1.4-1.9 ms faster per 8B decode step,
+# measured; logits then differ from mlx-lm's batch mode in the last bits)
+_FORCE_ALIGNED_NO_MASK = os.environ.get("MLXB_ALIGNED_NO_MASK") == "force"
+
+
+_MASK_FREE: dict = {}
+
+
+def mask_free_is_exact(keys) -> bool:
+    """Whether one-token attention over keys shaped like ``keys`` gives the same bits with no mask as
+    with an all-True mask on this backend (the kernel chosen may differ); probed once per shape class."""
+    if keys is None:
+        return False
+    if not isinstance(keys, mx.array):  # packed quantized keys: their own attention path, not probed here
+        return True
+    H, D, dt = keys.shape[1], keys.shape[-1], keys.dtype
+    key = (H, D, str(dt))
+    if key not in _MASK_FREE:
+        ok = True
+        for T in (5, 64, 300):
+            for G in (1, 2, 4, 8):  # query heads per KV head (GQA ratios of real models)
+                k1, k2, k3 = mx.random.split(mx.random.key(T * 7 + G), 3)
+                q = mx.random.normal((2, H * G, 1, D), key=k1).astype(dt)
+                k = mx.random.normal((2, H, T, D), key=k2).astype(dt)
+                v = mx.random.normal((2, H, T, D), key=k3).astype(dt)
+                a = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=None)
+                b = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
+                                                         mask=mx.ones((2, 1, 1, T), dtype=mx.bool_))
+                ok = ok and bool(mx.array_equal(a, b).item())
+        _MASK_FREE[key] = ok
+    return _MASK_FREE[key]
+
+
+class AlignedBatchKVCache(BatchKVCache):
+    """``BatchKVCache`` whose owner may declare it unpadded (``aligned``); see the module notes."""
+
+    aligned = False  # set by the runner from host-side row lengths; never guessed
+    holes = None  # rejected speculative entries, masked in place (mlxb/cache/holes.py)
+    hole_counts = None
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if self.holes is not None:
+            return unholed(self, BatchKVCache.make_mask(self, N, return_array=True, **kwargs))
+        if (N == 1 and self.aligned and not return_array and _SKIP_ALIGNED_MASK
+                and (_FORCE_ALIGNED_NO_MASK or mask_free_is_exact(self.keys))):
+            return None  # the same result as an all-True mask
+        return super().make_mask(N, return_array=return_array, **kwargs)
+
+    # rows leave or join only without holes (moved to the left padding first)
+    def filter(self, batch_indices):
+        compact(self)
+        super().filter(batch_indices)
+
+    def extend(self, other):
+        compact(self)
+        compact(other)
+        super().extend(other)
+
+    def extract(self, idx):
+        compact(self)
+        return super().extract(idx)
+
+    # NOTE: merge and finalize give mlx-lm's arrays bit for bit (a contract test compares them) but
+    # move data with contiguous slices and concatenations only. mlx-lm's merge writes row by row into
+    # a zero buffer and its finalize rolls with take_along_axis over broadcast indices; on an H200
+    # the roll of an 18-row cohort on a 2.2k-token prefix took 236 ms and the merge 41 ms of one
+    # iteration (scripts/cohort_cost.py), while the forward itself took 114 ms.
+    @classmethod
+    def merge(cls, caches):
+        lengths = [c.size() for c in caches]
+        width = max(lengths)
+        if width == 0:
+            return cls([0] * len(caches))
+        ref = next(c for c in caches if c.keys is not None and c.size() > 0)
+        _, H, _, Dk = ref.keys.shape
+        Dv, dt = ref.values.shape[3], ref.keys.dtype
+
+        def rows(attr, D):
+            out = []
+            for n, c in zip(lengths, caches):
+                a = getattr(c, attr)
+                if a is None or n == 0:
+                    out.append(mx.zeros((1, H, width, D), dtype=dt))
+                    continue
+                a = a[..., :n, :]
+                out.append(mx.pad(a, [(0, 0), (0, 0), (width - n, 0), (0, 0)]) if n < width else a)
+            return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+        cache = cls([width - n for n in lengths])
+        cache.keys, cache.values = rows("keys", Dk), rows("values", Dv)
+        cache.offset += width
+        cache._idx = width
+        return cache
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        self._right_host = list(right_padding) if right_padding is not None and max(right_padding) > 0 else None
+
+    def finalize(self):
+        shifts = getattr(self, "_right_host", None)
+        if self._right_padding is None or shifts is None:
+            return super().finalize()
+        self.keys, self.values = roll_rows(self.keys, shifts), roll_rows(self.values, shifts)
+        padding = self._right_padding
+        self.offset = self.offset - padding
+        self.left_padding += padding
+        self._right_padding = self._right_host = None
+
+
+def roll_rows(x: mx.array, shifts: list[int]) -> mx.array:
+    """``mlx_lm.models.cache.dynamic_roll(x, shifts[:, None], axis=2)`` for a [B, H, N, D] array with
+    host-side shifts: each row rolled right by its shift along the sequence axis (rows with equal
+    shifts in a run are rolled together)."""
+    n = x.shape[2]
+    parts, i = [], 0
+    while i < len(shifts):
+        j = i
+        while j < len(shifts) and shifts[j] == shifts[i]:
+            j += 1
+        s = shifts[i] % n
+        block = x[i:j] if (i, j) != (0, len(shifts)) else x
+        parts.append(mx.concatenate([block[:, :, n - s:], block[:, :, :n - s]], axis=2) if s else block)
+        i = j
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
