@@ -90,7 +90,7 @@ def test_cycle_finder_sees_a_planted_cycle():
     graph = _module_graph()
     assert "mlxb.cache.prefix" in graph["mlxb.cache.prompt_cache"]
     graph["mlxb.cache.prefix"] = graph["mlxb.cache.prefix"] | {"mlxb.cache.prompt_cache"}
-    assert ["mlxb.cache.prefix", "mlxb.cache.prompt_cache"] in _cycles(graph)
+    assert any({"mlxb.cache.prefix", "mlxb.cache.prompt_cache"} <= set(c) for c in _cycles(graph))
 
 
 def test_lower_layers_never_import_the_engine():
