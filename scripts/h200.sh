@@ -61,7 +61,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
   thread)  # where the engine thread's B=1 step goes (consumer, GIL) vs the runner on the main thread
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-      echo "$m"; python3 scripts/thread_probe.py /var/tmp/$m ${GEN:-128} ${REPEATS:-5} 2>&1 | grep -v Warning | tee "$OUT/thread-$m.txt"
+      echo "$m"; python3 scripts/probes/thread_probe.py /var/tmp/$m ${GEN:-128} ${REPEATS:-5} 2>&1 | grep -v Warning | tee "$OUT/thread-$m.txt"
     done ;;
   agents)  # prompt cache: agents sharing a 2k-token system prompt, mlxb serve vs mlx_lm.server, 8 and 32 clients
     m=synth-llama-8b
@@ -159,13 +159,13 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     export MLX_CUDA_USE_CUDNN_SDPA=0
-    timeout ${LIMIT:-240} python3 scripts/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe.json" \
+    timeout ${LIMIT:-240} python3 scripts/probes/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe.json" \
       --context ${CONTEXT:-512} ${PROBE_ARGS:-} 2>&1 | grep -v Warning ;;
   fuse)  # q/k/v and gate/up fused (--fuse-projections): the chained-step probe, then bench engine with fused arms
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     export MLX_CUDA_USE_CUDNN_SDPA=0
-    [ "${PROBE:-1}" = 1 ] && timeout ${LIMIT1:-150} python3 scripts/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe-fused.json" \
+    [ "${PROBE:-1}" = 1 ] && timeout ${LIMIT1:-150} python3 scripts/probes/verify_pipeline_probe.py /var/tmp/$m --out "$OUT/verify-pipeline-probe-fused.json" \
       --context 512 --steps ${STEPS:-30} 2>&1 | grep -v Warning
     timeout ${LIMIT2:-330} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-1,8,32} --prompt-len 128 \
       --gen ${GEN:-64} --repeats ${REPEATS:-3} --prefill-len 512 --fuse-projections --out "$OUT/engine-fused.json" 2>&1 \
@@ -173,7 +173,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
   compile)  # issue 19: the whole B=1 step under mx.compile (masked whole-buffer read) against the plain step
     for m in ${MODELS:-synth-llama-1b synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-      timeout ${LIMIT:-200} python3 scripts/compile_step_probe.py /var/tmp/$m --gen ${GEN:-128} --repeats ${REPEATS:-3} ${PROBE_ARGS:-} 2>&1 \
+      timeout ${LIMIT:-200} python3 scripts/probes/compile_step_probe.py /var/tmp/$m --gen ${GEN:-128} --repeats ${REPEATS:-3} ${PROBE_ARGS:-} 2>&1 \
         | grep -v Warning | tee "$OUT/compile-step-$m.txt"
     done ;;
   graphs)  # issue 19: bench engine at two MLX CUDA graph sizes (MLX_MAX_OPS_PER_BUFFER; MLX's default is 20), then a served
@@ -191,7 +191,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
   lone)  # issue 19: the idle clear's cost to a lone request's last token (probe), then bench engine B=1 and a served lone stream
     for m in ${MODELS:-synth-llama-8b synth-llama-1b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-      timeout ${LIMIT1:-120} python3 scripts/idle_clear_probe.py /var/tmp/$m --gen 128 --repeats ${REPEATS:-5} --out "$OUT/idle-clear-$m.json" \
+      timeout ${LIMIT1:-120} python3 scripts/probes/idle_clear_probe.py /var/tmp/$m --gen 128 --repeats ${REPEATS:-5} --out "$OUT/idle-clear-$m.json" \
         2>&1 | grep -v Warning | grep -v '^{"repeat"' | tr -d ' \n'; echo
       timeout ${LIMIT2:-200} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches 1 --prompt-len 128 --gen 128 \
         --repeats ${REPEATS:-5} --prefill-len 512 --out "$OUT/engine-b1-$m.json" 2>&1 | grep -v Warning | grep -E "b1|aggregate|prefill" | head -8
@@ -362,7 +362,7 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     for m in ${MODELS:-synth-llama-8b}; do
       [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
       for pass in 1 2; do for c in 400 4000; do
-        MLX_CUDA_GRAPH_CACHE_SIZE=$c python3 scripts/graph_mix_probe.py /var/tmp/$m --repeats ${REPEATS:-20} \
+        MLX_CUDA_GRAPH_CACHE_SIZE=$c python3 scripts/probes/graph_mix_probe.py /var/tmp/$m --repeats ${REPEATS:-20} \
           --out "$OUT/graph-mix-$m-cache$c-pass$pass.json" 2>&1 | grep -v Warning
       done; done
     done ;;

@@ -19,6 +19,14 @@ import pandas as pd
 from mlxb.bench.store import LABEL_KEYS
 
 OURS = "mlxb"
+# one colour per stack in every plot of a report: mlxb first, then peers in name order (matplotlib's tab10)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+
+
+def stack_colors(stacks) -> dict:
+    """Stack -> colour, the same for every plot of one report (ours always the first colour)."""
+    order = [OURS] + sorted(s for s in set(stacks) if s != OURS)
+    return {s: PALETTE[i % len(PALETTE)] for i, s in enumerate(order)}
 
 
 def _ratio_ci(a: np.ndarray, b: np.ndarray, stat, seed: int = 0) -> tuple[float, Optional[float], Optional[float]]:
@@ -73,6 +81,22 @@ def ab_table(summ: pd.DataFrame, reqs: pd.DataFrame) -> list[dict]:
     return rows
 
 
+def headline(ab: list[dict]) -> list[dict]:
+    """What a reader came for, one line per (cell, concurrency, peer): the tok/s and p95 TTFT verdicts with
+    their ratios, worded so a reader need not decode the tables."""
+    out = []
+    for r in ab:
+        def part(name, ratio, verdict):
+            return f"{name}: {verdict}" if ratio is None else f"{name} {ratio:.2f}x the peer's ({verdict})"
+        text = "; ".join([part("tok/s", r["tps_ratio"], r["tps_verdict"]),
+                          part("p95 TTFT", r["ttft_ratio"], r["ttft_verdict"])])
+        good = [r["tps_verdict"] == "faster", r["ttft_verdict"] == "faster"]
+        bad = [r["tps_verdict"] == "slower", r["ttft_verdict"] == "slower"]
+        tone = "slower" if any(bad) else "faster" if any(good) else "indistinguishable"
+        out.append({"cell": r["cell"], "concurrency": r["concurrency"], "peer": r["peer"], "text": text, "tone": tone})
+    return out
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -82,7 +106,8 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def plots(summ: pd.DataFrame) -> list[dict]:
+def figures(summ: pd.DataFrame) -> list[tuple]:
+    """(cell, matplotlib figure) per measured cell: tok/s and TTFT against concurrency, one colour per stack."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -90,21 +115,27 @@ def plots(summ: pd.DataFrame) -> list[dict]:
 
     out = []
     ok = summ[summ["status"] != "unsupported"]
+    colors = stack_colors(ok["stack"].unique())
     for cell, g in ok.groupby("cell", sort=True):
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
         for stack, s in g.groupby("stack"):
             m = s.groupby("concurrency").agg(tps=("output_throughput", "median"), p50=("p50_ttft", "median"),
                                              p95=("p95_ttft", "median")).reset_index()
-            axes[0].plot(m["concurrency"], m["tps"], marker="o", label=stack)
-            axes[1].plot(m["concurrency"], m["p50"], marker="o", label=f"{stack} p50")
-            axes[1].plot(m["concurrency"], m["p95"], marker="x", linestyle="--", label=f"{stack} p95")
-        axes[0].set(title=f"{cell}: aggregate output tok/s", xlabel="concurrency", ylabel="tok/s")
-        axes[1].set(title=f"{cell}: TTFT", xlabel="concurrency", ylabel="seconds")
+            c = colors[stack]  # the stack's colour in both panels; p50 solid, p95 dashed
+            axes[0].plot(m["concurrency"], m["tps"], marker="o", color=c, label=stack)
+            axes[1].plot(m["concurrency"], m["p50"], marker="o", color=c, label=f"{stack} p50")
+            axes[1].plot(m["concurrency"], m["p95"], marker="x", linestyle="--", color=c, label=f"{stack} p95")
+        axes[0].set(title="aggregate output tok/s", xlabel="concurrency", ylabel="tok/s")
+        axes[1].set(title="TTFT (solid p50, dashed p95)", xlabel="concurrency", ylabel="seconds")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        out.append({"cell": cell, "png": _png(fig)})
+        out.append((cell, fig))
     return out
+
+
+def plots(summ: pd.DataFrame) -> list[dict]:
+    return [{"cell": cell, "png": _png(fig)} for cell, fig in figures(summ)]
 
 
 def render(summ: pd.DataFrame, reqs: pd.DataFrame, out: Path, title: str = "mlxb benchmark report") -> Path:
@@ -117,7 +148,9 @@ def render(summ: pd.DataFrame, reqs: pd.DataFrame, out: Path, title: str = "mlxb
     unsupported = summ[summ["status"] == "unsupported"][["cell", "stack", "reason"]].drop_duplicates()
     cols = [c for c in ("cell", "stack", "concurrency", "repeat", "status", "output_throughput", "p50_ttft",
                         "p95_ttft", "p50_tpot", "p95_itl", "failed") if c in summ]
-    ctx = {"title": title, "labels": labels, "ab": ab_table(summ, reqs),
+    ab = ab_table(summ, reqs)
+    ctx = {"title": title, "labels": labels, "ab": ab, "headline": headline(ab),
+           "colors": stack_colors(summ["stack"].unique()) if "stack" in summ else {},
            "plots": plots(summ) if out.suffix == ".html" else [], "unsupported": unsupported.to_dict("records"),
            "runs": summ[cols].sort_values(["cell", "concurrency", "repeat", "stack"]).to_dict("records"),
            "gates": [c for c in summ.columns if c.startswith("gate_")]}

@@ -14,7 +14,7 @@ projections of an 8B model about doubled a B=8 step. Two variants, both computin
 Rounding follows mlx-lm's ``LoRALinear``: ``h`` and ``z = h @ B`` in the promoted dtype of the input and the
 factors (float32 factors, as mlx_lm.lora saves them, keep float32), ``(scale * z).astype(x.dtype)``, then the
 add in the input's dtype; the sums run in float32 in another order than a matmul's. Measured on the H200
-(``scripts/lora_kernel_cost.py``, 8B projections, B=8 and 32, 4 adapters of rank 16), microseconds per
+(``scripts/probes/lora_kernel_cost.py``, 8B projections, B=8 and 32, 4 adapters of rank 16), microseconds per
 projection summed over the 8 shapes: one builtin ``addmm`` 280, split 326, stacked 391, one 443-521; in the
 engine (``mlxb bench lora``) neither fused variant was reliably faster than stacked, so auto keeps stacked.
 ``self_check`` runs on the device before any request can reach it; the CPU runs the same sources through the
@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlxb.kernels import cuda_gpu
 
 NT = 256  # threads per block
-TARGET_BLOCKS = 132  # blocks per launch the tiles aim at (scripts/lora_kernel_cost.py sweeps it)
+TARGET_BLOCKS = 132  # blocks per launch the tiles aim at (scripts/probes/lora_kernel_cost.py sweeps it)
 MAX_ROWS = 128  # above this (prefill chunks) every row re-reading its A costs more than the exact path
 MAX_RANK = 64  # registers per thread hold one accumulator per rank
 
@@ -129,7 +129,7 @@ _EXPAND = r"""
 
 CH = 2 * NT  # inputs per shrink block of the split pair
 MODES = ("one", "split")
-_MODE = os.environ.get("MLXB_LORA_KERNEL", "split")  # which variant fused_delta launches (scripts/lora_kernel_cost.py)
+_MODE = os.environ.get("MLXB_LORA_KERNEL", "split")  # which variant fused_delta launches (scripts/probes/lora_kernel_cost.py)
 _KERNELS: dict = {}
 _PLANS: dict = {}  # (shape, dtypes, mode, geometry) -> (launch plan, split plan)
 

@@ -4,7 +4,7 @@ mlx-lm's ``quantized_scaled_dot_product_attention`` reads grouped-query layers b
 and values a broadcast axis for the query heads of each KV head (``expand_dims(..., -3)``) and calling
 ``quantized_matmul`` on the broadcast batch. On MLX's CUDA backend (mlx 0.32.4, H200) that broadcast
 gives wrong scores: 0.5 max error against float32 attention with 4 query heads per KV head, while one
-query head per KV head is exact (``scripts/kv_fused_diag.py``, ``scripts/cuda_qmm_probe.py``).
+query head per KV head is exact (``scripts/kv_fused_diag.py``, ``scripts/probes/cuda_qmm_probe.py``).
 
 ``folded_attention`` is the same arithmetic with the query heads of each KV head folded into the rows of
 one matmul ([B, Hkv, R*L, D] against [B, Hkv, N, D/pack]), so no batch axis is broadcast.

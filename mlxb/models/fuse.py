@@ -2,7 +2,7 @@
 and v; gate and up) become one product over their concatenated weights, split afterwards.
 
 Why: on MLX's CUDA backend a product of 2 or more rows goes to cuBLAS, whose launch costs the host 14-31 us
-against about 4 us for the one-row gemv (``scripts/gemm_block_probe.py``, H100), and a batch or verify step
+against about 4 us for the one-row gemv (``scripts/probes/gemm_block_probe.py``, H100), and a batch or verify step
 there is bound by the host's launch (README, "Pipelined verify steps"). Fusing q/k/v and gate/up makes
 4 products per Llama block instead of 7.
 

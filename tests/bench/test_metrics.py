@@ -161,3 +161,31 @@ def test_result_file_names_a_model_folder_by_its_last_part():
     p = result_file("kv", "/var/tmp/synth-llama-8b/")
     assert p.parent == Path("reports/results") and p.name.startswith("kv-synth-llama-8b-") and p.suffix == ".json"
     assert result_file("engine", "synth-llama-30m").name.startswith("engine-synth-llama-30m-")
+
+
+def test_report_opens_with_the_headline_and_keeps_one_colour_per_stack(tmp_path):
+    """Issue 49: the verdicts come before the tables; a stack has one colour in every panel of every plot."""
+    import matplotlib.pyplot as plt
+
+    from mlxb.bench.report import figures, stack_colors
+
+    _fixture_run(tmp_path)
+    s, r = read_summaries([tmp_path]), read_requests([tmp_path])
+    html = render(s, r, tmp_path / "r.html").read_text()
+    head = html.index('id="headline"')
+    assert head < html.index("<h2>Labels</h2>") < html.index("<h2>A/B")
+    assert "plain</b>, 4 clients, against mlx-lm: tok/s" in html and "(faster)" in html[head:html.index("<h2>Labels")]
+    md = render(s, r, tmp_path / "r.md").read_text()
+    assert md.index("## Headline") < md.index("## Labels") and "- **plain**, 1 clients, against mlx-lm" in md
+
+    colors = stack_colors(s["stack"].unique())
+    assert colors["mlxb"] != colors["mlx-lm"]
+    two = pd.concat([s, s.assign(cell="other")])
+    seen = {}
+    for _, fig in figures(two):
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                stack = line.get_label().split(" ")[0]
+                seen.setdefault(stack, set()).add(line.get_color())
+        plt.close(fig)
+    assert seen == {"mlxb": {colors["mlxb"]}, "mlx-lm": {colors["mlx-lm"]}}

@@ -13,7 +13,6 @@ from mlxb.parity.plan import plan
 from mlxb.parity.protocol import Case, RowSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.parity
 
 
 def mlxb(*args, goldens=None):
@@ -49,7 +48,7 @@ def test_oracle_imports_no_engine_code():
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
-@pytest.mark.slow  # 6-7 minutes on 2 cores: in CI's slow job (.ci/run), so the default run stays near 15 minutes
+@pytest.mark.parity  # 6-7 minutes on 2 cores: the parity tier
 def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     r = mlxb("parity", "--all", "--against", "both", "--json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -106,6 +105,7 @@ def test_clean_run_of_the_same_cases_passes():
     assert r.returncode == 0, r.stdout
 
 
+@pytest.mark.parity
 def test_golden_gen_refuses_overwrite_and_reports_changes(tmp_path):
     g = tmp_path / "g"
     assert mlxb("golden-gen", "-m", "tiny-llama", "--b", "2", "-c", "join", goldens=g).returncode == 0
@@ -127,6 +127,7 @@ def test_missing_golden_is_an_error_not_a_pass(tmp_path):
     assert r.returncode == 1 and "no golden" in r.stdout
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quant_oracle_keeps_the_batch_layout_for_rows_padded_against_a_long_one(bits):
     """The ``quant`` oracle runs rows in the batch's own layout (three mlx-lm BatchKVCache lanes for the
@@ -208,7 +209,8 @@ def test_spec_case_speculates_partly_and_the_oracle_agrees_on_the_rule():
     assert st["verify_steps"] >= 5 and 0 < st["accepted"] < st["drafted"], st
 
 
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # 50 s each
+@pytest.mark.parity
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # 40-50 s each
 def test_compiled_decode_passes_every_case_on_the_presets_it_serves(dtype):
     """--compile-decode against the same oracle and goldens: every case, B=1..4, exact."""
     r = mlxb("parity", "-m", "tiny-llama", "-m", "tiny-minicpm", "--dtype", dtype, "--b", "1,2,3,4", "--against", "both",

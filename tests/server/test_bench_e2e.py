@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from mlxb.bench.features import Target, run_matrix
 from mlxb.bench.matrix import Cell, Matrix
@@ -36,6 +37,7 @@ def test_run_matrix_records_unsupported_and_gates(live):
     assert all(r["ok"] for r in reqs) and len(reqs) == 6
 
 
+@pytest.mark.full
 def test_bench_load_cli_against_mlxb_and_mlx_lm(tmp_path):
     env = dict(os.environ, COLUMNS="200")
     r = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "bench", "load", "-m", "tiny-llama", "--peer",
@@ -92,6 +94,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.full
 def test_a_killed_bench_keeps_finished_phases_and_stops_its_servers(tmp_path):
     """SIGTERM (what `timeout` and `kill` send) in the middle of `mlxb bench load`: the server it started is
     stopped, and the phases that finished are on disk, marked incomplete (Python's default would leave both

@@ -151,7 +151,7 @@ def _to_other_threads(pid: int, sig) -> None:
 
 @pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "process"), (signal.SIGTERM, 143, "process"),
                                              (signal.SIGINT, 130, "worker"), (signal.SIGTERM, 143, "worker")])
-@pytest.mark.parametrize("json_out", [True, False])
+@pytest.mark.parametrize("json_out", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code, target, json_out):
     if target == "worker" and not os.path.isdir("/proc/self/task"):
         pytest.skip("needs Linux /proc and tgkill")

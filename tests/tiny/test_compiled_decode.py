@@ -169,6 +169,7 @@ print("ok")
 """
 
 
+@pytest.mark.full
 def test_a_process_that_ran_compiled_steps_exits_cleanly():
     """MLX keeps compiled traces per thread: left to the engine thread's exit they were destroyed while
     the interpreter finalized, and the process aborted (exit 134) after printing its result."""
@@ -180,6 +181,7 @@ def test_a_process_that_ran_compiled_steps_exits_cleanly():
         assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
+@pytest.mark.full
 def test_a_process_that_never_shuts_its_engine_down_exits_cleanly():
     """mlx-lm's own compiled helpers fill the engine thread's compile cache too; an engine left running
     at exit is stopped by an atexit hook, which waits until the thread has really ended (it aborted

@@ -19,12 +19,13 @@ import pytest
 
 from tests.server.test_serve_cli import free_port, wait_healthy
 
+pytestmark = pytest.mark.slow  # two processes under mlx.launch: the slow tier
+
 LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring", "--"]
 MLXB = [sys.executable, "-m", "mlxb.commands.main"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("MLX_RANK")}
 
 # two processes sharing two cores: 20-50 s each; the slow job runs them (pytest -m slow, .ci/run runs both jobs)
-SLOW = pytest.mark.slow
 
 
 def _json(out: str) -> dict:
@@ -61,7 +62,6 @@ def test_tp2_parity_catches_a_planted_bug():
     assert divs and any(x["what"] == "token" for x in divs)
 
 
-@SLOW
 def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
     """The lora case (adapters 0, none, 1 across joining rows) sharded against mlx-lm's LoRA layers."""
     def run(*extra):
@@ -77,7 +77,6 @@ def test_tp2_parity_lora_rows_of_different_adapters_and_a_planted_slot_shift():
     assert not bad["ok"] and any(row["first_divergence"] for r in bad["results"] for row in r["rows"])
 
 
-@SLOW
 @pytest.mark.parametrize("fault", [None, "spec_rollback_off_by_one"])
 def test_tp2_parity_spec_case_verify_steps_on_every_rank(fault):
     """Speculation sharded: rank 0 proposes and decides, every rank runs the same [B, 1 + W] verify
@@ -182,7 +181,6 @@ def _one_by_one(url: str) -> list[tuple]:
     return out
 
 
-@SLOW  # 24 s: the default suite stays under ~15 minutes on 2 cores
 def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank(tmp_path):
     port = free_port()
     proc, url = _start(port, "--prompt-cache-dir", str(tmp_path / "tp"))
@@ -213,7 +211,6 @@ def _stop(proc) -> str:
     return proc.stdout.read()
 
 
-@SLOW
 def test_tp2_lora_adapters_mixed_in_one_batch_same_text_as_one_process(tmp_path):
     """Two adapters and the base, concurrent, at --tp 2: each rank holds its part of the factors (a
     sharded-to-all layer sums x @ A over the ranks); the text equals one process with the same adapters."""
@@ -281,7 +278,6 @@ def test_tp_refusals_name_the_fix(args, launched, needle):
         assert p.returncode != 0
 
 
-@SLOW
 @pytest.mark.parametrize("proposer", [["--spec", "lookup"], ["--draft-model", "tiny-llama", "--spec-fixed"]])
 def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
     """--spec lookup, and a draft model (unsharded, on rank 0 only; here the target itself), at --tp 2:

@@ -8,11 +8,12 @@ import subprocess
 import httpx
 import pytest
 
-from tests.tp.test_tp import LAUNCH, MLXB, ENV, SLOW, SYSTEM, _json, _one_by_one, _one_process, _sharded, _start, _stop
+from tests.tp.test_tp import LAUNCH, MLXB, ENV, SYSTEM, _json, _one_by_one, _one_process, _sharded, _start, _stop
 from tests.server.test_serve_cli import free_port
 
+pytestmark = pytest.mark.slow  # two processes under mlx.launch: the slow tier
 
-@SLOW
+
 @pytest.mark.parametrize("model,fault", [("tiny-llama", None), ("tiny-qwen3.5", None), ("tiny-llama", "prefix_off_by_one")])
 def test_tp2_parity_prefix_case_prompt_cache_mirrored_on_every_rank(model, fault):
     """The prefix case sharded: multi-turn reuse, a leader's snapshot continued by a cohort, cached
@@ -39,7 +40,6 @@ def _ask(url: str, task: str) -> tuple:
     return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@SLOW
 def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
     """--tp 2 with the SSD tier: a graceful stop writes each rank's shard of every RAM entry under the same
     name in its own folder; a restart of both ranks serves the shared system prompt from disk with the
@@ -75,7 +75,6 @@ def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
             proc.kill()
 
 
-@SLOW
 def test_tp2_snapshot_marks_on_a_recurrent_model_same_as_one_process(tmp_path):
     """tiny-qwen3.5 (recurrent layers: exact snapshots only) served sharded: chats that share a system prompt, one
     after another. The gateway's system mark makes rank 0 and the follower snapshot there, so the second chat

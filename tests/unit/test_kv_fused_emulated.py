@@ -94,6 +94,7 @@ def test_a_chunked_range_with_fully_masked_chunks():
     assert np.abs(got - want).max() < 1e-5
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3"])
 def test_engine_rows_take_the_fused_read_and_keep_their_tokens(tiny_models, monkeypatch, preset):
     """The engine's quantized batch layers reach the kernel (whole-buffer reads as on CUDA, the kernel

@@ -156,6 +156,7 @@ def install_emulated(tmp_path, monkeypatch, max_rows):
     return model, tok, paths, calls
 
 
+@pytest.mark.full
 def test_engine_rows_take_the_kernel_and_keep_their_adapters(tmp_path, monkeypatch):
     """``--lora-path concat`` in the engine with the kernel emulated: rows of two adapters and the base in one
     batch give the tokens of mlx-lm alone with each row's adapter; decode steps take the kernel, prefill chunks

@@ -74,7 +74,8 @@ def mlx_lm_rows(x, y, a, b, slots, scales):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("rows,din,dout,rank,n", [(3, 200, 300, 8, 2), (9, 96, 1100, 16, 3), (2, 64, 256, 4, 1)])
+@pytest.mark.parametrize("rows,din,dout,rank,n", [(3, 200, 300, 8, 2), pytest.param(9, 96, 1100, 16, 3, marks=pytest.mark.full),
+                                                  (2, 64, 256, 4, 1)])
 def test_emulated_kernel_matches_mlx_lm_lora_linear(rows, din, dout, rank, n):
     x, y, a, b, slots, scales = case(rows, din, dout, rank, n, seed=rows + din)
     got, tile = emulated(lf._SOURCE, x, y, a, b, slots, scales)
@@ -88,6 +89,7 @@ def test_emulated_kernel_matches_mlx_lm_lora_linear(rows, din, dout, rank, n):
         assert dout % tile  # a ragged last tile is covered
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("rows,din,dout,rank,n", [(3, 1100, 300, 8, 2), (5, 96, 700, 16, 3)])
 def test_emulated_split_pair_matches_mlx_lm_lora_linear(rows, din, dout, rank, n):
     """The two-kernel variant (shrink over chunks of the input, then expand): the same rows as mlx-lm, several
@@ -127,6 +129,7 @@ def test_tiles_fill_the_gpu_once():
     assert lf.supports(16, 8) and not lf.supports(128, 8) and not lf.supports(16, 512) and lf.supports(16, 128)
 
 
+@pytest.mark.full
 def test_engine_rows_take_the_fused_kernel_and_keep_their_adapters(tmp_path, monkeypatch):
     """``--lora-path fused`` in the engine, its default split pair emulated (32 threads a block to keep it quick): rows of two
     adapters and the base in one batch (prefill chunks and decode steps, joins) give the tokens of mlx-lm alone

@@ -8,7 +8,7 @@ CONTEXT-token prompt and times synchronized forwards of each shape [B, L], first
 row), then all shapes interleaved round-robin (R rounds), trimming the caches back after every forward. Run it
 in separate processes at two cache sizes to compare. Writes JSON to --out.
 
-    MLX_CUDA_GRAPH_CACHE_SIZE=N python3 scripts/graph_mix_probe.py MODEL --out F [--shapes 1x1,1x5,8x1,8x5]
+    MLX_CUDA_GRAPH_CACHE_SIZE=N python3 scripts/probes/graph_mix_probe.py MODEL --out F [--shapes 1x1,1x5,8x1,8x5]
 """
 
 from __future__ import annotations

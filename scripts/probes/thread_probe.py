@@ -1,5 +1,5 @@
 """Where the engine thread's B=1 decode time goes: the same engine and prompt, per-step ms (median of
-the middle half), with the consumer and the GIL varied. Usage: python scripts/thread_probe.py MODEL.
+the middle half), with the consumer and the GIL varied. Usage: python scripts/probes/thread_probe.py MODEL.
 
   direct       engine.iterate() on this thread, nothing consumes (the runner's own cost)
   thread       engine thread, this thread iterates the stream (detokenizes every token): serving's shape

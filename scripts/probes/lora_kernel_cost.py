@@ -2,7 +2,7 @@
 of N dependent calls (each output is the next call's base output) built, then evaluated once; the build time per
 call is host time alone, the total per call is what a decode step pays. Shapes are an 8B Llama's projections,
 4 adapters of rank 16 (float32 factors, as mlx_lm.lora saves them), rows cycling through the adapters.
-Usage: python scripts/lora_kernel_cost.py [--batches 8,32] [--n 200] [--repeats 5]"""
+Usage: python scripts/probes/lora_kernel_cost.py [--batches 8,32] [--n 200] [--repeats 5]"""
 import argparse
 import statistics
 import time

@@ -7,7 +7,7 @@ flight, and what does the host spend on a verify graph against a one-token one; 
 attention and the skinny matmul (attention weights, then every weight); with q/k/v and gate/up fused
 (``--fuse-projections``). Prints and writes JSON.
 
-    python3 scripts/verify_pipeline_probe.py MODEL --out probe.json [--context 512] [--k 4] [--steps 40]
+    python3 scripts/probes/verify_pipeline_probe.py MODEL --out probe.json [--context 512] [--k 4] [--steps 40]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the whole MLP + its residual and norm. mlx-lm's own ``generate_step`` drives the
 so the arms differ only in the module calls. Prints ms per token per arm (median of repeats,
 interleaved), and whether the greedy tokens equal the plain arm's.
 
-    python scripts/compile_probe.py MODEL [--gen 128] [--repeats 5]
+    python scripts/probes/compile_probe.py MODEL [--gen 128] [--repeats 5]
 """
 
 from __future__ import annotations

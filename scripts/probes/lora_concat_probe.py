@@ -4,7 +4,7 @@ path for rows sharing one adapter) and the concatenated form (``x @ [W; A.T].T``
 expand of the rest); median microseconds of 400 evaluations, and whether the results are bit-equal.
 Run it with OpenBLAS preloaded (LD_PRELOAD=.../libopenblas.so.0) and without.
 
-    python3 scripts/lora_concat_probe.py
+    python3 scripts/probes/lora_concat_probe.py
 """
 import time, statistics, mlx.core as mx
 mx.random.seed(0)

@@ -2,10 +2,10 @@
 in the verify attention gives plain decoding's tokens on a model folder (e.g. an mlx_lm.convert -q folder; head_dim 64),
 full-width KV and KV8, lone rows and B=3 with joins. Counts the calls the split took.
 
-    python scripts/compose_causal_split.py FOLDER
+    python scripts/probes/compose_causal_split.py FOLDER
 """
 import sys
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
 import mlx.core as mx
 from mlx_lm import load
 from mlxb.cache.kv_plan import KVScheme

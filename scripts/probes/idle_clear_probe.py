@@ -1,6 +1,6 @@
 """What clearing MLX's buffer cache the moment the engine goes idle costs a lone request's last token.
 
-Usage: python scripts/idle_clear_probe.py MODEL [--gen 128] [--prompt-len 128] [--repeats 5] [--out F]
+Usage: python scripts/probes/idle_clear_probe.py MODEL [--gen 128] [--prompt-len 128] [--repeats 5] [--out F]
 
 Arms, interleaved per repeat on the same prompt (B=1, greedy, ``ignore_eos``):
   deferred   the engine as shipped: the clear waits for an empty inbox poll (``Engine.idle_poll_s``)

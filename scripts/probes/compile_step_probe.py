@@ -21,7 +21,7 @@ before step t's token is read):
 Prints ms per token (median over repeats, min-max) and whether greedy tokens and logprob vectors
 equal the plain arm's.
 
-    python scripts/compile_step_probe.py MODEL [--gen 128] [--repeats 3] [--prompt-len 128] [--grow 256]
+    python scripts/probes/compile_step_probe.py MODEL [--gen 128] [--repeats 3] [--prompt-len 128] [--grow 256]
 """
 
 from __future__ import annotations

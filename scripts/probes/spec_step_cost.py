@@ -1,6 +1,6 @@
 """What a speculative verify step costs against a plain decode step, piece by piece.
 
-    python scripts/spec_step_cost.py MODEL_DIR --context 512 --batches 1,8 --widths 1,2,3,5 --out FILE.json
+    python scripts/probes/spec_step_cost.py MODEL_DIR --context 512 --batches 1,8 --widths 1,2,3,5 --out FILE.json
 
 For B rows of ``context`` tokens (batch caches merged from single rows, as the engine holds them), it
 times with a synchronization after each piece, arms interleaved:

@@ -3,7 +3,7 @@ dependent ops (bf16 [M, 4096] @ [4096, 4096]^T matmuls; the same through ``mx.fa
 with M queries over 512 keys, causal and not) is launched with ``async_eval`` and then read: a launch that
 takes the whole chain's time means the host waited for the device inside it. Prints and writes JSON.
 
-    python3 scripts/gemm_block_probe.py --out gemm-block.json [--n 96] [--repeats 10]
+    python3 scripts/probes/gemm_block_probe.py --out gemm-block.json [--n 96] [--repeats 10]
 """
 
 from __future__ import annotations

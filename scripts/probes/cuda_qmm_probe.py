@@ -4,7 +4,7 @@ dtypes and bit widths: one JSON line per case with each path's max error (or the
 the probe's verdict. Also: ``quantized_matmul`` with a broadcast batch axis against the same product
 with the axis repeated (the smallest form of the grouped-query fault).
 
-    python scripts/cuda_qmm_probe.py [--out FILE.json]
+    python scripts/probes/cuda_qmm_probe.py [--out FILE.json]
 """
 import argparse
 import json

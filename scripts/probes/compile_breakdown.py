@@ -4,7 +4,7 @@ Runs one warm request, then a timed one, on an Engine with and without compile_d
 3 rounds interleaved, and prints the medians of the runner's own timings: graph build, async_eval
 launch, wait for the previous token, and wall time per token.
 
-    python scripts/compile_breakdown.py MODEL GEN
+    python scripts/probes/compile_breakdown.py MODEL GEN
 """
 import statistics as S
 import sys
