@@ -39,8 +39,19 @@ def _resolved_args(args: list, dtype: Optional[str]) -> list:
     return out
 
 
+def _run_seed(seed: Optional[int]) -> int:
+    """The run's text seed: the one asked for, else a fresh one (printed), so no two runs send the same text
+    and a server's SSD prompt cache gains nothing from an earlier run after a restart."""
+    if seed is None:
+        import secrets
+
+        seed = secrets.randbelow(2**31)
+    console.print(f"text seed {seed} (--seed {seed} sends this run's text again)")
+    return seed
+
+
 def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, cells, dtype, bench_name, api_key=None,
-                api="chat"):
+                api="chat", seed=None):
     """Start what is needed, run the matrix on every stack, stop what we started, store and print."""
     from mlxb.bench import servers
     from mlxb.bench.features import Target, run_matrix
@@ -62,6 +73,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
         raise ValidationError("cells with server_args (" + ", ".join(c.name for c in chosen if c.server_args)
                               + ") need servers this command starts; leave out --base-url or those cells")
     req_rows, summ_rows = [], []
+    seed = _run_seed(seed)
     lab, root = labels(spec.name, dtype or spec.dtype, bench_name), Path("reports/results")
 
     def keep(rq, sm):  # every finished phase on disk: a run cut short (timeout, kill) keeps what it measured
@@ -85,7 +97,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                     started.append(srv)
                     targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
                 rq, sm = run_matrix(
-                    matrix, targets, tok, vocab, scale=scale, cells=names,
+                    matrix, targets, tok, vocab, scale=scale, cells=names, seed=seed,
                     progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total),
                     on_phase=keep)
                 req_rows += rq
@@ -101,13 +113,16 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
 
 def _print_summary(rows) -> None:
     t = Table(title="aggregate output tok/s and TTFT (per run)")
-    for c in ("cell", "stack", "conc", "rep", "status", "tok/s", "req/s", "p50 ttft", "p95 ttft", "p50 tpot", "failed"):
+    turns = any(r.get("p95_ttft_later") is not None for r in rows)
+    for c in ("cell", "stack", "conc", "rep", "wave", "status", "tok/s", "req/s", "p50 ttft", "p95 ttft",
+              *(("p95 ttft turn>=2",) if turns else ()), "p50 tpot", "failed"):
         t.add_column(c)
     f = lambda v, n=3: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
     for r in rows:
-        t.add_row(r["cell"], r["stack"], str(r["concurrency"]), str(r["repeat"]), r["status"],
+        t.add_row(r["cell"], r["stack"], str(r["concurrency"]), str(r["repeat"]), r.get("wave", "-"), r["status"],
                   f(r.get("output_throughput"), 1), f(r.get("request_throughput"), 2), f(r.get("p50_ttft")),
-                  f(r.get("p95_ttft")), f(r.get("p50_tpot"), 4), str(r.get("failed", "-")))
+                  f(r.get("p95_ttft")), *((f(r.get("p95_ttft_later")),) if turns else ()), f(r.get("p50_tpot"), 4),
+                  str(r.get("failed", "-")))
     console.print(t)
 
 
@@ -119,7 +134,7 @@ def load(
     dtype: DtypeOpt = None,
     stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
     peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder (mlx-lm) and run the identical load, A/B alternated."),
-    dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | FILE.jsonl"),
+    dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | agent-loop | FILE.jsonl"),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
     requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
     rate: Optional[float] = typer.Option(None, "--rate", help="Open loop: requests per second (Poisson/gamma arrivals)."),
@@ -129,6 +144,9 @@ def load(
     output_len: int = typer.Option(64, "--output-len", min=1),
     system_len: int = typer.Option(1024, "--system-len", help="shared-prefix: system prompt tokens."),
     groups: int = typer.Option(1, "--groups", help="shared-prefix: distinct system prompts."),
+    turns: int = typer.Option(4, "--turns", min=1, help="multi-turn, agent-loop: requests per conversation."),
+    tool_len: int = typer.Option(80, "--tool-len", min=1, help="agent-loop: tokens of each tool result."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Text seed (default: a fresh one per run, printed)."),
     repeats: int = typer.Option(1, "--repeats", min=1),
     batch: int = typer.Option(8, "--batch", help="--batch / --decode-concurrency given to servers this command starts."),
     ignore_eos: bool = typer.Option(True, "--ignore-eos/--no-ignore-eos", help="Ask for exactly output-len tokens (mlxb honours it; mlx_lm.server has no such field)."),
@@ -163,7 +181,7 @@ def load(
         if dataset.endswith(".jsonl"):
             ds = L.jsonl_dataset(dataset, default_max_tokens=output_len)
         else:
-            ds = L.random_dataset(tok, max(1, int(rate * duration * 2)), input_len, output_len, vocab)
+            ds = L.random_dataset(tok, max(1, int(rate * duration * 2)), input_len, output_len, vocab, _run_seed(seed))
         with status(f"open loop: {rate}/s for {duration}s ..."):
             res = asyncio.run(L.run_load(base_url, str(path), ds, rate=rate, burstiness=burstiness, duration=duration,
                                          ignore_eos=ignore_eos, api_key=api_key, api=api))
@@ -183,15 +201,21 @@ def load(
         cell = Cell("load-shared-prefix", "shared-prefix", {"system_len": system_len, "question_len": 64, "groups": groups},
                     concurrency=levels, output_len=output_len)
     elif dataset == "multi-turn":
-        cell = Cell("load-multi-turn", "multi-turn", {"system_len": system_len, "turn_len": 64, "turns": 4},
+        cell = Cell("load-multi-turn", "multi-turn", {"system_len": system_len, "turn_len": 64, "turns": turns},
+                    concurrency=levels, output_len=output_len)
+    elif dataset == "agent-loop":  # C agents x K turns: --concurrency agents, each its own conversation
+        cell = Cell("load-agent-loop", "agent-loop", {"system_len": system_len, "turn_len": input_len,
+                                                       "tool_len": tool_len, "turns": turns},
                     concurrency=levels, output_len=output_len)
     else:
-        raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix, multi-turn or a .jsonl file")
+        raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix, multi-turn, agent-loop or a .jsonl file")
     cell.requests = requests
+    if dataset == "agent-loop":
+        cell.requests, cell.requests_per_slot = None, turns  # every agent runs its whole loop
     if api != "chat":
         cell.name += f"-{api}"
     rows = _run_stacks(Matrix("cli", [cell], repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
-                       dtype, "load", api=api)
+                       dtype, "load", api=api, seed=seed)
     for st in sorted({r["stack"] for r in rows}):
         pts = [(r["concurrency"], r.get("p95_ttft")) for r in rows if r["stack"] == st and r["status"] != "unsupported"]
         console.print(f"saturation knee for {st} (p95 TTFT <= {ttft_threshold}s): concurrency {L.knee(pts, ttft_threshold)}")
@@ -208,6 +232,7 @@ def features(
     scale: float = typer.Option(1.0, "--scale", help="Multiply the matrix's prompt lengths (e.g. 0.25 on a small CPU); recorded in every row."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),
     batch: int = typer.Option(8, "--batch"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Text seed (default: a fresh one per run, printed)."),
 ) -> None:
     """Run the composition matrix against `mlxb serve` (and a peer), storing labelled Parquet results."""
     from mlxb.bench.matrix import parse
@@ -222,7 +247,7 @@ def features(
     if unknown:
         raise ValidationError(f"--cell {', '.join(unknown)}: not in {matrix} (cells: {', '.join(x.name for x in m.cells)})")
     spec, path, tok, vocab = _tokenizer_and_path(model, dtype)
-    _run_stacks(m, spec, path, tok, vocab, None, peer, batch, scale, cells, dtype, "features")
+    _run_stacks(m, spec, path, tok, vocab, None, peer, batch, scale, cells, dtype, "features", seed=seed)
 
 
 @app.command("restart")
@@ -339,10 +364,15 @@ def engine(
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")
     for c in ("metric", "B", "ours (median)", "mlx-lm (median)", "ratio min", "ratio median", "ratio max"):
         t.add_column(c)
+    f = lambda v, n: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
     for r in res["summary"]:
-        t.add_row(r["metric"].removesuffix("_tps").replace("_", " "), str(r["B"]), f"{r['ours_median']:.1f}", f"{r['peer_median']:.1f}",
-                  f"{r['ratio_min']:.3f}", f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}")
+        peer = f(r["peer_median"], 1) if not r.get("peer_failed") else f"failed x{r['peer_failed']}"
+        t.add_row(r["metric"].removesuffix("_tps").replace("_", " "), str(r["B"]), f(r["ours_median"], 1), peer,
+                  f(r["ratio_min"], 3), f(r["ratio_median"], 3), f(r["ratio_max"], 3))
     console.print(t)
+    for r in res["summary"]:
+        if r.get("peer_failed"):
+            console.print(f"mlx-lm failed {r['metric']} at B={r['B']} in {r['peer_failed']} repeat(s): {r['peer_failed_reason']}")
     if compile_decode:
         console.print("compiled over plain: --compile-decode against our plain step (those rows' mlx-lm column is "
                       "our plain engine), interleaved in the same repeats")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh agentloop|engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -389,4 +389,15 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
         --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-8} --spec-max-batch 8 --context 512 --gen ${GEN:-96} \
         --repeats ${REPEATS:-2} --out "$OUT/bench-spec-cheap$v-pass$pass.json" 2>&1 | grep -v Warning | tail -6
     done; done ;;
+  agentloop)  # issue 46: C agents x K turns with tools, mlxb serve vs mlx_lm.server, fresh text per run, mlxb's trace
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    here=$PWD; mkdir -p /tmp/bench && cd /tmp/bench
+    export MLXB_TRACE=${MLXB_TRACE:-$OUT/trace-agentloop.jsonl}
+    timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench load -m /var/tmp/$m ${PEER---peer mlx-lm} --batch ${BATCH:-64} \
+      --dataset agent-loop --system-len ${SYSTEM:-1500} --input-len ${TASK:-100} --tool-len ${TOOL:-80} --turns ${TURNS:-4} \
+      --concurrency ${LEVELS:-16,32} --output-len ${GEN:-128} --repeats ${REPEATS:-2} 2>&1 | grep -v Warning | tail -${TAIL:-30}
+    python3 "$here/scripts/trace_summary.py" "$MLXB_TRACE" --json "$OUT/trace-summary.json" 2>&1 | tail -40
+    python3 -m mlxb.commands.main report reports/results --out "$OUT/agentloop-h200.md" >/dev/null
+    tar czf "$OUT/agentloop-results.tgz" reports/results ;;
 esac

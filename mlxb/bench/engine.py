@@ -110,6 +110,16 @@ def peer_batch(model, prompts: list[list[int]], gen: int) -> dict:
     return {"tokens": n, "wall": end - t0, "ttft": first - t0}
 
 
+def guarded(fn, *args) -> dict:
+    """Run a peer arm; one that fails (out of device memory prefilling many long prompts at once, an error
+    inside mlx-lm) is recorded as failed with its reason, a result in its own right, never a crash of the bench."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 (the reason is the result)
+        mx.clear_cache()
+        return {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+
+
 def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vocab: int = 8192,
                       joiners: int = 3) -> dict:
     """A row decodes; joiners with ``chunks`` x ``chunk`` prompt tokens arrive one after another.
@@ -219,7 +229,7 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             say(f"warm-up B={B}{' ragged' if ragged else ''}")
             ps = _prompts(B, prompt_len, vocab, 5000 + B, ragged)
             ours(engine, ps, gen)
-            peer_batch(model, ps, gen)
+            guarded(peer_batch, model, ps, gen)
             if skinny and B >= skinny_min_rows():
                 with skinny_on(model):
                     ours(engine, ps, gen)
@@ -276,8 +286,8 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             for B, ragged in shapes:
                 say(f"repeat {rep + 1}/{repeats}: aggregate B={B}{' ragged' if ragged else ''}")
                 ps = _prompts(B, prompt_len, vocab, 1000 * rep + B, ragged)
-                a, b = ours(engine, ps, gen), peer_batch(model, ps, gen)
-                assert a["tokens"] == b["tokens"] == B * gen, (a, b)
+                a, b = ours(engine, ps, gen), guarded(peer_batch, model, ps, gen)
+                assert a["tokens"] == B * gen and b.get("tokens", B * gen) == B * gen, (a, b)
                 if skinny and B >= skinny_min_rows():  # the same engine with the skinny products, same prompts
                     with skinny_on(model):
                         c = ours(engine, ps, gen)
@@ -300,23 +310,14 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
                                  "repeat": rep, "ours": c["tokens"] / c["wall"], "peer": a["tokens"] / a["wall"],
                                  "peer_name": "mlxb plain step"})
                 rows.append({"metric": "aggregate_ragged_tps" if ragged else "aggregate_tps", "B": B, "repeat": rep, "ours": a["tokens"] / a["wall"],
-                             "peer": b["tokens"] / b["wall"], "peer_name": "mlx_lm.BatchGenerator",
-                             "ours_wall_s": a["wall"], "peer_wall_s": b["wall"], "ours_all_first_s": a["all_first_s"],
-                             "peer_first_s": b["ttft"], "ours_step_timing": a["timing"]})
+                             "peer": b["tokens"] / b["wall"] if "failed" not in b else None, "peer_name": "mlx_lm.BatchGenerator",
+                             "peer_failed": b.get("failed"), "ours_wall_s": a["wall"], "peer_wall_s": b.get("wall"),
+                             "ours_all_first_s": a["all_first_s"], "peer_first_s": b.get("ttft"), "ours_step_timing": a["timing"]})
     finally:
         engine.shutdown()
         if comp is not None:
             comp.shutdown()
-    for r in rows:
-        r["ratio"] = r["ours"] / r["peer"]
-    summary = []
-    for key in sorted({(r["metric"], r["B"]) for r in rows}):
-        rs = [r["ratio"] for r in rows if (r["metric"], r["B"]) == key]
-        ours_v = [r["ours"] for r in rows if (r["metric"], r["B"]) == key]
-        peer_v = [r["peer"] for r in rows if (r["metric"], r["B"]) == key]
-        summary.append({"metric": key[0], "B": key[1], "ours_median": statistics.median(ours_v),
-                        "peer_median": statistics.median(peer_v), "ratio_min": min(rs),
-                        "ratio_median": statistics.median(rs), "ratio_max": max(rs)})
+    summary = summarize(rows)
     say("late-joiner stall")
     try:
         stall = late_joiner_stall(model, tokenizer, chunk=min(256, max(16, prefill_len // 4)), vocab=vocab)
@@ -330,6 +331,25 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
                        "prefill_len": prefill_len, "compile_decode": compile_decode, "skinny_matmul": skinny,
                        "fuse_projections": fused, "served": served is not None}}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (metric, B): medians and the ratio's min / median / max over repeats. Repeats whose peer arm failed
+    count apart (``peer_failed``, with the first reason); their ours-side figures still count."""
+    for r in rows:
+        r["ratio"] = r["ours"] / r["peer"] if r.get("peer") else None
+    summary = []
+    for key in sorted({(r["metric"], r["B"]) for r in rows}):
+        sel = [r for r in rows if (r["metric"], r["B"]) == key]
+        rs = [r["ratio"] for r in sel if r["ratio"] is not None]
+        peer_v = [r["peer"] for r in sel if r.get("peer")]
+        failed = [r["peer_failed"] for r in sel if r.get("peer_failed")]
+        summary.append({"metric": key[0], "B": key[1], "ours_median": statistics.median(r["ours"] for r in sel),
+                        "peer_median": statistics.median(peer_v) if peer_v else None,
+                        "ratio_min": min(rs) if rs else None, "ratio_median": statistics.median(rs) if rs else None,
+                        "ratio_max": max(rs) if rs else None,
+                        **({"peer_failed": len(failed), "peer_failed_reason": failed[0]} if failed else {})})
+    return summary
 
 
 @contextlib.contextmanager

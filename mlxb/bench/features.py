@@ -49,6 +49,10 @@ def _dataset(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int)
         turns = int(ln.get("turns", 4))
         return L.multi_turn_dataset(tokenizer, max(1, -(-n // turns)), turns, ln["system_len"], ln["turn_len"],
                                     cell.output_len, vocab, seed, extra)
+    if cell.dataset == "agent-loop":
+        turns = int(ln.get("turns", 4))
+        return L.agent_loop_dataset(tokenizer, max(1, -(-n // turns)), turns, ln["system_len"], ln["turn_len"],
+                                    ln["tool_len"], cell.output_len, vocab, seed, extra)
     return L.mixed_dataset(tokenizer, n, ln["short_len"], ln["long_len"], cell.output_len, vocab, seed, extra)
 
 
@@ -97,12 +101,16 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                cells: Optional[list[str]] = None,
                on_phase: Optional[Callable[[list, list], None]] = None) -> tuple[list[dict], list[dict]]:
     """Returns (request rows, summary rows). ``on_phase`` gets both lists so far after every (cell, level,
-    repeat, stack) phase, so a caller can keep what finished if the run is cut short."""
+    repeat, stack) phase, so a caller can keep what finished if the run is cut short. Every row records the
+    run's ``seed`` (prompt text is drawn from it, per cell, level and repeat) and its ``wave``: ``first`` for a
+    stack's first measured phase on the servers of this call (a fresh server: first-shape compiles land
+    there), ``warm`` after it."""
     chosen = [c for c in matrix.cells if not cells or c.name in cells]
     total = sum(len(c.concurrency) for c in chosen) * matrix.repeats * len(targets)
     done = 0
     req_rows: list[dict] = []
     summ_rows: list[dict] = []
+    measured: set[str] = set()
     for cell in chosen:
         unsupported: dict[str, str] = {}
         probed: set[str] = set()
@@ -116,7 +124,8 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                 for t in order:
                     base = {"cell": cell.name, "stack": t.stack, "concurrency": conc, "repeat": rep,
                             "dataset": cell.dataset, "scale": scale, "server_flags": t.flags,
-                            "needs": ",".join(cell.needs), "params": str(cell.params)}
+                            "needs": ",".join(cell.needs), "params": str(cell.params), "seed": seed,
+                            "wave": "warm" if t.stack in measured else "first"}
                     if t.stack not in probed:
                         probed.add(t.stack)
                         # the probe uses its own prompts so it warms no cache the measured load uses
@@ -128,6 +137,7 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                     else:
                         res = asyncio.run(L.run_load(t.base_url, t.model, ds, concurrency=conc, n_requests=n,
                                                      ignore_eos=ignore_eos and t.stack == "mlxb", seed=seed, api=t.api))
+                        measured.add(t.stack)
                         s = L.summarize(res)
                         gates = gate_results(cell, res)
                         status = "ok" if s["failed"] == 0 and all(gates.values()) else (

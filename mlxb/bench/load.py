@@ -42,6 +42,7 @@ class RequestResult:
     logprob_tokens: int = 0  # content tokens that came with logprobs
     min_top_logprobs: Optional[int] = None  # fewest top_logprobs alternatives on any of them
     text: str = ""  # the reply (multi-turn conversations send it back); not stored in results
+    turn: Optional[int] = None  # multi-turn datasets: 0 for a conversation's first request, then 1, 2, ...
 
     @property
     def tpot(self) -> Optional[float]:
@@ -93,6 +94,11 @@ def summarize(results: list[RequestResult]) -> dict:
     s.update(_pcts([r.tpot for r in ok], "tpot"))
     s.update(_pcts([x for r in ok for x in r.itls], "itl"))
     s.update(_pcts([r.e2el for r in ok], "e2el"))
+    if any(r.turn is not None for r in results):  # conversations: what a returning agent waits for
+        later = [r for r in results if (r.turn or 0) >= 1]
+        s.update(_pcts([r.ttft for r in later if r.ok], "ttft_later"))
+        s["failed_turns"] = sum(not r.ok for r in results)
+        s["turns_later"] = len(later)
     return s
 
 
@@ -277,6 +283,51 @@ def multi_turn_dataset(tokenizer, conversations: int, turns: int, system_len: in
     return Dataset("multi-turn", [], convs)
 
 
+AGENT_TOOLS = [
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository.",
+                                      "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                     "required": ["path"]}}},
+    {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite, or one test file.",
+                                      "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "apply_patch", "description": "Apply a unified diff to the tree.",
+                                      "parameters": {"type": "object", "properties": {"patch": {"type": "string"}},
+                                                     "required": ["patch"]}}},
+]
+
+
+def agent_loop_dataset(tokenizer, agents: int, turns: int, system_len: int, task_len: int, tool_len: int,
+                       output_len: int, vocab: int, seed: int = 0, extra: Optional[dict] = None) -> Dataset:
+    """A coding agent's loop: a shared system prompt and ``tools`` in every request; each agent's first turn is
+    its task, and each later turn resends the whole conversation with the last reply as an assistant turn that
+    called a tool, then that tool's result (``tool_len`` tokens). ``turns`` requests per agent, each sent
+    after the previous reply arrived."""
+    rng = random.Random(seed)
+    system = _random_text(tokenizer, rng, system_len, vocab)
+    convs = []
+    for a in range(agents):
+        task = _random_text(tokenizer, rng, task_len, vocab)
+        steps = []
+        for t in range(1, turns):
+            tool = AGENT_TOOLS[(a + t) % len(AGENT_TOOLS)]["function"]["name"]
+            key = {"read_file": "path", "run_tests": "target", "apply_patch": "patch"}[tool]
+            steps.append({"tool_call": {"id": f"call_{a}_{t}", "type": "function",
+                                        "function": {"name": tool, "arguments": json.dumps({key: f"src/mod_{a}_{t}.py"})}},
+                          "result": _random_text(tokenizer, rng, tool_len, vocab)})
+        convs.append({"messages": [{"role": "system", "content": system}, {"role": "user", "content": task}],
+                      "users": steps, "max_tokens": output_len, "extra": {"tools": AGENT_TOOLS, **(extra or {})}})
+    return Dataset("agent-loop", [], convs)
+
+
+def _follow_up(reply: str, nxt) -> list[dict]:
+    """The messages a conversation appends after a reply: a user turn (multi-turn) or the reply as a tool
+    call and the tool's result (agent-loop)."""
+    if isinstance(nxt, str):
+        return [{"role": "assistant", "content": reply}, {"role": "user", "content": nxt}]
+    call = nxt["tool_call"]
+    return [{"role": "assistant", "content": reply, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": nxt["result"]}]
+
+
 async def _conversations(send_payload: Callable[[dict, int], Awaitable["RequestResult"]], dataset: Dataset,
                          concurrency: int, n_requests: int,
                          on_done: Optional[Callable[["RequestResult"], None]]) -> list["RequestResult"]:
@@ -289,17 +340,18 @@ async def _conversations(send_payload: Callable[[dict, int], Awaitable["RequestR
         while queue and len(out) < n_requests:
             conv = queue.pop(0)
             msgs = [dict(m) for m in conv["messages"]]
-            for nxt in [*conv["users"], None]:
+            for turn, nxt in enumerate([*conv["users"], None]):
                 if len(out) >= n_requests:
                     return
                 res = await send_payload({"messages": msgs, "max_tokens": conv["max_tokens"], **conv["extra"]},
                                          next(counter))
+                res.turn = turn
                 out.append(res)
                 if on_done:
                     on_done(res)
                 if not res.ok or nxt is None:
                     break
-                msgs = msgs + [{"role": "assistant", "content": res.text}, {"role": "user", "content": nxt}]
+                msgs = msgs + _follow_up(res.text, nxt)
 
     await asyncio.gather(*[worker() for _ in range(concurrency)])
     return sorted(out, key=lambda r: r.index)

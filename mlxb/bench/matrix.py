@@ -11,11 +11,12 @@ from typing import Optional
 from mlxb.errors import ValidationError
 
 DATASETS = {"random": {"input_len"}, "shared-prefix": {"system_len", "question_len"},
-            "mixed": {"short_len", "long_len"}, "multi-turn": {"system_len", "turn_len"}}
+            "mixed": {"short_len", "long_len"}, "multi-turn": {"system_len", "turn_len"},
+            "agent-loop": {"system_len", "turn_len", "tool_len"}}
 GATES = {"top_logprobs_5", "json_schema_valid"}
 CELL_KEYS = {"name", "server_args", "description", "dataset", "params", "needs", "gates", "concurrency", "requests_per_slot",
              "output_len", "input_len", "system_len", "question_len", "short_len", "long_len", "groups",
-             "turn_len", "turns", "adapters", "adapter_rank"}
+             "turn_len", "turns", "tool_len", "adapters", "adapter_rank"}
 DEFAULT_KEYS = {"concurrency", "requests_per_slot", "output_len", "repeats"}
 
 

@@ -43,6 +43,15 @@ def prefill_failed(eng, failed: list, e: Exception) -> None:
         eng.scheduler.on_finished(chunk.request_id, RequestStatus.FINISHED_ERROR)
         eng.delivery.finish(live, RequestStatus.FINISHED_ERROR, error=EngineFailure(f"prefill failed: {e}"))
 
+def token0_event(eng, req, cohort: int) -> None:
+    """Trace (``MLXB_TRACE``) where a request's time to its first token went on the engine side."""
+    if eng.trace.on:
+        t = req.timings
+        eng.trace.event("token0", prompt=req.num_prompt_tokens, cached=req.cached_tokens, cohort=cohort,
+                        wait_ms=round(1000 * (t.admitted - t.submitted), 2),
+                        prefill_ms=round(1000 * (t.prefill_done - t.admitted), 2))
+
+
 def prefill_one(eng, chunk) -> None:
     """One joiner's prefill chunk alone; its last chunk samples token 0 and joins the batch."""
     live = eng._live[chunk.request_id]
@@ -65,6 +74,7 @@ def prefill_one(eng, chunk) -> None:
         prefill_failed(eng, [(chunk, live)], e)
         return
     live.req.timings.prefill_done = time.perf_counter()
+    token0_event(eng, live.req, cohort=1)
     status = eng.delivery.deliver(em)
     if status is None:
         eng.runner.join(row, em.token)
@@ -95,6 +105,7 @@ def prefill_cohort(eng, chunks) -> None:
     for i, (c, lv, em) in enumerate(zip(chunks, lives, emitted)):
         eng.scheduler.on_prefill_chunk(c)
         lv.req.timings.prefill_done = now
+        token0_event(eng, lv.req, cohort=len(chunks))
         tokens.append(em.token)
         status = eng.delivery.deliver(em)
         if status is None:

@@ -14,3 +14,25 @@ def test_kv_bench_counts_rows_and_measures_both_arms(tiny_models):
     assert adm["kv4"]["rows_admitted"] > adm["kv8"]["rows_admitted"] > adm["full"]["rows_admitted"]
     assert {(r["B"], r["scheme"]) for r in res["summary"]} == {(2, "kv8"), (2, "kv4")}
     assert all(r["full_tps"] > 0 and r["quant_tps"] > 0 for r in res["summary"])
+
+
+def test_a_peer_arm_that_fails_is_a_recorded_result_not_a_crash():
+    """Issue 46: mlx-lm's BatchGenerator ran out of device memory prefilling 32 long prompts and the bench died;
+    such an arm is now a row with the reason, and ours still counts."""
+    from mlxb.bench.engine import guarded, summarize
+
+    def oom(*a):
+        raise RuntimeError("[metal::malloc] Attempting to allocate 40 GB which is greater than the maximum")
+
+    failed = guarded(oom, 1, 2)
+    assert failed["failed"].startswith("RuntimeError: [metal::malloc]")
+    assert guarded(lambda x: {"tokens": x}, 3) == {"tokens": 3}
+    rows = [{"metric": "aggregate_tps", "B": 32, "repeat": 0, "ours": 100.0, "peer": None, "peer_failed": failed["failed"]},
+            {"metric": "aggregate_tps", "B": 32, "repeat": 1, "ours": 110.0, "peer": 50.0},
+            {"metric": "aggregate_tps", "B": 8, "repeat": 0, "ours": 40.0, "peer": 20.0}]
+    by = {r["B"]: r for r in summarize(rows)}
+    assert by[32]["peer_failed"] == 1 and "malloc" in by[32]["peer_failed_reason"]
+    assert by[32]["ours_median"] == 105.0 and by[32]["ratio_median"] == 2.2 and by[32]["peer_median"] == 50.0
+    assert by[8]["ratio_median"] == 2.0 and "peer_failed" not in by[8]
+    only_failed = summarize(rows[:1])
+    assert only_failed[0]["ratio_median"] is None and only_failed[0]["peer_median"] is None

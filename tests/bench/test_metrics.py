@@ -189,3 +189,38 @@ def test_report_opens_with_the_headline_and_keeps_one_colour_per_stack(tmp_path)
                 seen.setdefault(stack, set()).add(line.get_color())
         plt.close(fig)
     assert seen == {"mlxb": {colors["mlxb"]}, "mlx-lm": {colors["mlx-lm"]}}
+
+
+class _Tok:
+    """Stands in for a tokenizer: decoding ids gives distinct words, so text differs with the seed."""
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_agent_loop_resends_the_conversation_with_tool_calls_and_results():
+    import asyncio
+
+    ds = L.agent_loop_dataset(_Tok(), agents=2, turns=3, system_len=5, task_len=3, tool_len=4, output_len=7,
+                              vocab=1000, seed=11)
+    assert len(ds) == 6 and ds.name == "agent-loop"
+    sent = []
+
+    async def send(p, i):
+        sent.append(p)
+        return L.RequestResult(i, 0.0, ok=True, ttft=0.1 * len(sent), e2el=1.0, completion_tokens=7, end=1.0,
+                               text=f"reply {i}")
+
+    res = asyncio.run(L._conversations(send, ds, concurrency=2, n_requests=6, on_done=None))
+    assert sorted(r.turn for r in res) == [0, 0, 1, 1, 2, 2]
+    assert all(p["tools"] == L.AGENT_TOOLS and p["max_tokens"] == 7 for p in sent)
+    last = max(sent, key=lambda p: len(p["messages"]))["messages"]
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert last[2]["tool_calls"][0]["id"] == last[3]["tool_call_id"] and last[2]["content"].startswith("reply")
+    assert json.loads(last[2]["tool_calls"][0]["function"]["arguments"])  # a JSON string, as OpenAI sends it
+    systems = {p["messages"][0]["content"] for p in sent}
+    assert len(systems) == 1  # one shared system prompt
+    s = L.summarize(res)
+    assert s["turns_later"] == 4 and s["failed_turns"] == 0 and s["p95_ttft_later"] is not None
+    other = L.agent_loop_dataset(_Tok(), 2, 3, 5, 3, 4, 7, 1000, seed=12)
+    assert other.conversations[0]["messages"][0]["content"] not in systems  # a new seed: new text

@@ -37,6 +37,22 @@ def test_run_matrix_records_unsupported_and_gates(live):
     assert all(r["ok"] for r in reqs) and len(reqs) == 6
 
 
+def test_agent_loop_cell_runs_each_agents_turns_and_reuses_its_conversation(live):
+    """The agent-loop dataset against a live server: every turn answers, later turns start from the cached
+    conversation, and rows say which wave (first on these servers, or warm) and which text seed they ran."""
+    tok = live.gw.tokenizer
+    cell = Cell("agent-loop", "agent-loop", {"system_len": 48, "turn_len": 12, "tool_len": 16, "turns": 3},
+                concurrency=[2], requests_per_slot=3, output_len=6)
+    t = Target("mlxb", live.url + "/v1", "tiny-llama")
+    reqs, summ = run_matrix(Matrix("t", [cell], repeats=2), [t], tok, 8192, seed=5)
+    assert [(s["status"], s["wave"], s["seed"]) for s in summ] == [("ok", "first", 5), ("ok", "warm", 5)]
+    assert all(s["requests"] == 6 and s["turns_later"] == 4 and s["failed_turns"] == 0 for s in summ)
+    assert sorted(r["turn"] for r in reqs if r["repeat"] == 0) == [0, 0, 1, 1, 2, 2]
+    later = [r for r in reqs if r["turn"] >= 1]
+    # each later turn resends its conversation: most of it comes from the prompt cache
+    assert all(r["cached_tokens"] >= r["prompt_tokens"] // 2 for r in later), [(r["cached_tokens"], r["prompt_tokens"]) for r in later]
+
+
 @pytest.mark.full
 def test_bench_load_cli_against_mlxb_and_mlx_lm(tmp_path):
     env = dict(os.environ, COLUMNS="200")

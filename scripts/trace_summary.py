@@ -1,0 +1,79 @@
+"""Summarize an `MLXB_TRACE` file: where the engine's time and each request's time to first token went.
+
+    python scripts/trace_summary.py TRACE.jsonl [--since SECONDS] [--json OUT.json]
+
+Per request (``token0`` events): queue wait (submitted -> admitted), prefill (admitted -> token 0), the
+uncached tokens it prefilled and the size of the cohort it was prefilled in. Per iteration: wall ms of
+decode-only iterations and of iterations with joiner prefill, and each phase's share (``seed``,
+``cohort``, ``chunk``, ``snapshot``, ``token0``, ``join``, ``decode``, ``retire``). A diagnostic, not a
+benchmark: the phases are host wall time between marks, so a phase that reads a result also waits for
+the device work queued before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import numpy as np
+
+
+def pcts(xs) -> dict:
+    a = np.asarray(list(xs), dtype=float)
+    if not a.size:
+        return {"n": 0}
+    return {"n": int(a.size), "p50": round(float(np.percentile(a, 50)), 2), "p95": round(float(np.percentile(a, 95)), 2),
+            "max": round(float(a.max()), 2), "sum": round(float(a.sum()), 1)}
+
+
+def summarize(lines: list[dict], since: float = 0.0) -> dict:
+    its = [d for d in lines if "ms" in d and d["t"] >= since]
+    t0 = [d for d in lines if d.get("event") == "token0" and d["t"] >= since]
+    with_prefill = [d for d in its if d["prefills"]]
+    decode_only = [d for d in its if not d["prefills"]]
+    phases = defaultdict(list)
+    for d in with_prefill:
+        for name, ms in d["phases"]:
+            phases[name].append(ms)
+    decode_phase = [ms for d in decode_only for name, ms in d["phases"] if name == "decode"]
+    return {
+        "iterations": len(its),
+        "decode_only_ms": pcts(d["ms"] for d in decode_only),
+        "decode_only_decode_phase_ms": pcts(decode_phase),
+        "with_prefill_ms": pcts(d["ms"] for d in with_prefill),
+        "with_prefill_phases_ms": {k: pcts(v) for k, v in sorted(phases.items())},
+        "rows": pcts(d["rows"] for d in its),
+        "requests": len(t0),
+        "queue_wait_ms": pcts(e["wait_ms"] for e in t0),
+        "prefill_ms": pcts(e["prefill_ms"] for e in t0),
+        "uncached_tokens": pcts(e["prompt"] - (e["cached"] or 0) for e in t0),
+        "cached_tokens": pcts(e["cached"] or 0 for e in t0),
+        "cohort_size": pcts(e["cohort"] for e in t0),
+    }
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--since", type=float, default=0.0, help="Only what happened this many seconds after the engine started.")
+    ap.add_argument("--json", help="Also write the summary here.")
+    a = ap.parse_args(argv)
+    lines = [json.loads(ln) for ln in open(a.trace) if ln.strip()]
+    s = summarize(lines, a.since)
+    for k, v in s.items():
+        if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            print(f"{k}:")
+            for kk, vv in v.items():
+                print(f"  {kk:10s} {vv}")
+        else:
+            print(f"{k:28s} {v}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
