@@ -88,7 +88,7 @@ def parse(path: Path | str, text: Optional[str] = None) -> Matrix:
         if ds not in DATASETS:
             raise ValidationError(f"{where}: dataset {ds!r} is not one of {', '.join(DATASETS)}")
         lengths = {k: raw[k] for k in ("input_len", "system_len", "question_len", "short_len", "long_len", "groups",
-                                       "turn_len", "turns") if k in raw}
+                                       "turn_len", "turns", "tool_len") if k in raw}
         missing = DATASETS[ds] - set(lengths)
         if missing:
             raise ValidationError(f"{where}: dataset {ds!r} needs {', '.join(sorted(missing))}")

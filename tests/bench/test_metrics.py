@@ -58,7 +58,7 @@ def test_knee_stops_at_first_breach():
 
 def test_matrix_parses_and_rejects_bad_files_naming_the_line(tmp_path):
     m = parse("matrices/features.toml")
-    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "sampling", "logprobs", "mixed", "long", "json",
+    assert [c.name for c in m.cells] == ["plain", "agents", "multi-turn", "agent-loop", "sampling", "logprobs", "mixed", "long", "json",
                                          "kv4", "spec", "lora"]
     assert [(c.adapters, c.adapter_rank) for c in m.cells if c.adapters] == [(4, 8)]
     h = parse("matrices/lora-h200.toml")
