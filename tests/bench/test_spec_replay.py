@@ -2,6 +2,7 @@
 seeded share of wrong tokens, so the acceptance follows ``replay_miss``: all drafts kept at 0, none at 1."""
 
 import numpy as np
+import pytest
 
 from mlxb.bench.spec import ReplayProposer, run
 from mlxb.spec.verify import SpecConfig
@@ -24,6 +25,7 @@ def test_replay_proposes_the_reference_with_seeded_misses_and_stops_off_it():
     assert 0 < sum(a != b for a, b in zip(got, ref[20:28])) < 8
 
 
+@pytest.mark.full
 def test_replay_regime_acceptance_follows_the_miss_rate(tiny_models):
     model, tok = tiny_models("tiny-llama")[:2]
     spec = SpecConfig("lookup", 4, 3, max_batch=8, adaptive=False)

@@ -153,6 +153,7 @@ def test_quant_oracle_keeps_the_batch_layout_for_rows_padded_against_a_long_one(
     assert any(r.first_divergence is not None for r in compare("bad", "live", bad["records"], ref["records"]).rows)
 
 
+@pytest.mark.parity
 def test_a_case_that_cannot_run_fails_alone_with_its_reason(tmp_path):
     """A case neither side can load (a dtype the preset has not) fails in the oracle and in the engine;
     it is reported with the reason and the next case still runs and passes (before, one such case

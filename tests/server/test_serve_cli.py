@@ -149,8 +149,13 @@ def _to_other_threads(pid: int, sig) -> None:
     assert ctypes.CDLL(None, use_errno=True).tgkill(pid, tids[-1], int(sig)) == 0
 
 
-@pytest.mark.parametrize("sig,code,target", [(signal.SIGINT, 130, "process"), (signal.SIGTERM, 143, "process"),
-                                             (signal.SIGINT, 130, "worker"), (signal.SIGTERM, 143, "worker")])
+FULL = pytest.mark.full  # one signal case runs in the default tier, the others in the full tier
+
+
+@pytest.mark.parametrize("sig,code,target", [pytest.param(signal.SIGINT, 130, "process", marks=FULL),
+                                             (signal.SIGTERM, 143, "process"),
+                                             pytest.param(signal.SIGINT, 130, "worker", marks=FULL),
+                                             pytest.param(signal.SIGTERM, 143, "worker", marks=FULL)])
 @pytest.mark.parametrize("json_out", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_generate_interrupted_mid_batch_exits_with_the_signal_code_and_no_crash(sig, code, target, json_out):
     if target == "worker" and not os.path.isdir("/proc/self/task"):
