@@ -142,7 +142,12 @@ class Planner:
         it.spill = any((case.link(i) or {}).get("ssd") for i in arriving)
         waiting += arriving
         idle = not batch and not prefilling  # the engine's default prefill_burst: eight chunks
-        budget, j = (8 * case.prefill_chunk if idle else case.prefill_chunk), 0
+        burst = 8 * case.prefill_chunk
+        queued, chunk = len(waiting) + len(prefilling), case.prefill_chunk
+        # a turn boundary (more waiting than decoding): a chunk per decoding row's share of the queue, at most a burst
+        busy = chunk if not batch or queued <= len(batch) else min(burst, chunk * -(-queued // len(batch)))
+        budget = burst if idle else busy
+        j = 0
         admitted: set[int] = set()
         while budget > 0 and j < case.b:
             if j < len(prefilling):

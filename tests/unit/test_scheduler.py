@@ -194,3 +194,30 @@ def test_max_joiners_caps_admissions_per_iteration():
     for i in range(4):
         s.add(req(f"r{i}"))
     assert s.schedule().admitted == ["r0", "r1"]
+
+
+def test_a_turn_boundary_prefills_a_chunk_per_running_rows_share_of_the_queue():
+    """Issue 46: when more agents wait than decode, one iteration admits ceil(queued / running) chunks of them
+    (at most a burst), not one chunk's worth; while the running rows outnumber the queue, one chunk."""
+    from mlxb.engine.scheduler import iteration_budget
+
+    assert iteration_budget(3, 4, 100, 800) == 100 and iteration_budget(4, 4, 100, 800) == 100
+    assert iteration_budget(5, 4, 100, 800) == 200 and iteration_budget(12, 2, 100, 800) == 600
+    assert iteration_budget(31, 1, 100, 800) == 800 and iteration_budget(5, 0, 100, 800) == 100
+
+    s = Scheduler(max_batch=16, prefill_chunk=20, prefill_burst=160)
+    s.add(req("run", n_prompt=5))
+    drive_prefill(s)  # one row decodes
+    for i in range(6):
+        s.add(req(f"t{i}", n_prompt=10))  # six turns arrive together: 9 body tokens + the held-back one each
+    out = s.schedule()
+    assert out.decode and [c.request_id for c in out.prefills] == [f"t{i}" for i in range(6)]  # 6 x 10 <= 6 chunks
+    assert all(c.is_last for c in out.prefills)
+
+    s = Scheduler(max_batch=16, prefill_chunk=20, prefill_burst=160)
+    for name in ("a", "b", "c"):
+        s.add(req(name, n_prompt=5))
+        drive_prefill(s)
+    for i in range(3):
+        s.add(req(f"t{i}", n_prompt=10))
+    assert [c.request_id for c in s.schedule().prefills] == ["t0", "t1"]  # 3 waiting, 3 running: one chunk (20)
