@@ -39,6 +39,7 @@ class Delivery:
         self.counters = counters
         self.live: dict[str, Live] = {}
         self.outbox: Optional[Outbox] = None  # set during an engine iteration: one wake-up per loop
+        self.on_reply = None  # called with a chat row's generated ids when it ends on EOS or max_tokens
 
     def flush(self) -> None:
         if self.outbox is not None:
@@ -59,6 +60,8 @@ class Delivery:
                 last = RequestOutput(req.request_id, None, text if hit else text + live.stop.flush())
             return self.finish(live, RequestStatus.FINISHED_STOPPED, last=last)
         req.num_generated += 1
+        if req.reply_ids is not None:
+            req.reply_ids.append(em.token)
         status = RequestStatus.FINISHED_LENGTH if req.num_generated >= req.max_tokens else None
         if em.grammar_done:  # the grammar is complete: nothing may follow (ignore_eos included)
             status = RequestStatus.FINISHED_STOPPED
@@ -108,6 +111,9 @@ class Delivery:
         if req.spec_drafted is not None:  # --spec: this row's drafts and how many the target kept
             out.usage["draft_tokens"], out.usage["accepted_tokens"] = req.spec_drafted, req.spec_accepted
         out.timings = req.timings.as_dict(req.num_generated)
+        if (req.reply_ids and self.on_reply is not None and live.stop.hit is None
+                and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)):
+            self.on_reply(req.reply_ids)
         self.send(live, out)
         self.live.pop(req.request_id, None)
         return status

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mlxb.engine.engine import Engine
+from mlxb.engine.replies import ReplyIds
 from mlxb.engine.scheduler import common_prefix
 from mlxb.constrain.tools import ToolFormat, constraint_grammar, normalize_messages, tool_choice_mode, validate_tools
 from mlxb.engine.stream import OutputStream
@@ -58,6 +59,10 @@ class Gateway:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
+        # a prompt cache keeps finished rows by their generated ids: resent replies take those ids again
+        self.replies = ReplyIds(tokenizer, getattr(engine, "eos_ids", None)) if self._prompt_cache() is not None else None
+        if self.replies is not None:
+            engine.delivery.on_reply = self.replies.finished
         self.vocab_size = _vocab_size(engine.model, tokenizer)
         self.tool_format = ToolFormat.of(tokenizer)
         self._grammars = None
@@ -157,6 +162,9 @@ class Gateway:
             kwargs["tools"] = tools
         return normalize_messages(inp.messages), kwargs
 
+    def _prompt_cache(self):
+        return getattr(getattr(self.engine, "reuse", None), "cache", None)
+
     def system_mark(self, inp: GenerationInput, ids: list[int], chat: Optional[tuple] = None) -> list[int]:
         """Where the leading system (and developer) messages' tokens end, as far as the template shows it:
         the common prefix of this prompt with the same system part followed by another user message. Only
@@ -201,10 +209,14 @@ class Gateway:
             raise ValidationError("num_draft_tokens must be an integer from 0 (no speculation) to 32",
                                   param="num_draft_tokens")
         ids, chat = self.tokenize_with_chat(inp)
+        remember = chat is not None and inp.cache_prompt and self.replies is not None
+        if remember:
+            ids = self.replies.splice(chat[0], chat[1], ids)
         slot = self.adapter_slot(inp.adapter)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
                       ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot,
                       snapshot_at=self.system_mark(inp, ids, chat))
+        req.reply_ids = [] if remember else None
         req.constraint = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)

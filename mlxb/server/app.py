@@ -349,7 +349,8 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         batch = {k: s[k] for k in ("configured", "mode", "batched", "active_rows", "pending_rows", "submitted_rows",
                                    "kv_bytes", "kv_budget_bytes")}
         return JSONResponse({"model": gw.model_name, "batch": batch,
-                             "prompt_cache": s["prompt_cache"],
+                             "prompt_cache": ({**s["prompt_cache"], "reply_ids": gw.replies.stats()}
+                                              if isinstance(s["prompt_cache"], dict) and gw.replies else s["prompt_cache"]),
                              "engine": {k: v for k, v in s.items() if k not in batch and k != "prompt_cache"},
                              "uptime_s": round(time.time() - started, 3), "alive": gw.engine.alive})
 

@@ -122,3 +122,21 @@ def test_exact_snapshot_models_reuse_a_system_prompt_from_the_first_agent_on(mod
         assert second.usage.prompt_tokens_details.cached_tokens == mark[0]
     finally:
         srv.stop()
+
+
+def test_a_resent_reply_continues_from_the_cached_turn(cached_server):
+    """Issue 46: turn 2 resends turn 1's reply as an assistant message; its prompt starts with turn 1's prompt and
+    the ids turn 1 generated, so the cache covers both (tests/tiny/test_replies.py shows the ids are taken
+    even where the reply's text tokenizes otherwise)."""
+    srv, _ = cached_server
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list the failing tests"}]
+        one = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "ignore_eos": True}).json()
+        reply = one["choices"][0]["message"]["content"]
+        remembered = c.get("/stats").json()["prompt_cache"]["reply_ids"]["remembered"]
+        assert remembered >= 1
+        msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "fix the first one"}]
+        two = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4}).json()
+        p1, g1 = one["usage"]["prompt_tokens"], one["usage"]["completion_tokens"]
+        assert g1 == 6 and two["usage"]["prompt_tokens_details"]["cached_tokens"] >= p1 + g1
+        assert c.get("/stats").json()["prompt_cache"]["reply_ids"]["prompts_spliced"] >= 1

@@ -1,0 +1,99 @@
+"""Generated ids for assistant turns sent back, so a conversation's next turn starts where its last one ended.
+
+An agent resends its conversation with the model's last reply as an assistant message. Tokenizing that text
+again need not give the ids the model generated (a random-weight model emits byte fragments; a trained one
+can produce a sequence the tokenizer would merge otherwise), and then the prompt cache's hit, which holds
+prompt + generated ids of the finished row, ends inside the reply and the next turn prefills the reply again.
+
+So finished chat rows' ids are remembered by their text (``finished``: an append on the engine thread;
+decoded later, on the gateway's side). When a chat prompt has an assistant message whose content is such a
+text, the prompt is tokenized in pieces around it with the remembered ids in its place (``splice``). Only
+where that is safe:
+* the template renders the content verbatim (a render with stand-ins, filled back in, equals the real one);
+* the text before the first remembered reply tokenizes to the start of the ordinary tokenization, so every
+  prompt that shares that start still shares its cached prefix.
+Anything else keeps the ordinary tokenization. The pieces between replies are tokenized on their own.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict, deque
+from typing import Optional
+
+CAPACITY = 4096  # remembered replies (texts), least recently used first out
+
+
+class ReplyIds:
+    def __init__(self, tokenizer, eos_ids: Optional[set] = None, capacity: int = CAPACITY):
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids or [])
+        self.capacity = capacity
+        self._pending: deque = deque(maxlen=capacity)  # appended on the engine thread, read by the gateway
+        self._by_text: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.spliced = 0  # prompts that took remembered ids
+        self.replies_spliced = 0
+
+    def finished(self, ids: list[int]) -> None:
+        """A chat row finished (EOS or max_tokens, no stop string) with these generated ids; engine thread."""
+        self._pending.append(ids)
+
+    def _absorb(self) -> None:
+        while self._pending:
+            ids = [t for t in self._pending.popleft()]
+            while ids and ids[-1] in self.eos_ids:
+                ids.pop()
+            if not ids:
+                continue
+            text = self.tokenizer.decode(ids)
+            if text:
+                self._by_text[text] = ids
+                self._by_text.move_to_end(text)
+        while len(self._by_text) > self.capacity:
+            self._by_text.popitem(last=False)
+
+    def splice(self, messages: list[dict], kwargs: dict, ids: list[int]) -> list[int]:
+        """``ids`` (the ordinary tokenization of ``messages``) with remembered replies' generated ids in place
+        of their re-tokenized text, where that is safe (module notes); else ``ids`` unchanged."""
+        with self._lock:
+            self._absorb()
+            hits = [i for i, m in enumerate(messages) if m.get("role") == "assistant"
+                    and isinstance(m.get("content"), str) and m["content"] in self._by_text]
+            if not hits:
+                return ids
+            replies = {i: self._by_text[messages[i]["content"]] for i in hits}
+            for i in hits:
+                self._by_text.move_to_end(messages[i]["content"])
+        marks = {i: f"\x00mlxb-reply-{k}\x00" for k, i in enumerate(hits)}
+        stand_in = [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            shown = self.tokenizer.apply_chat_template(stand_in, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception:
+            return ids
+        if not isinstance(shown, str) or any(shown.count(marks[i]) != 1 for i in hits):
+            return ids
+        refilled = shown
+        for i in hits:
+            refilled = refilled.replace(marks[i], messages[i]["content"], 1)
+        if refilled != text:  # the template changed the content (trimmed it, say): keep the ordinary ids
+            return ids
+        pieces = re.split("(" + "|".join(re.escape(m) for m in marks.values()) + ")", shown)
+        which = {m: i for i, m in marks.items()}
+        out: list[int] = []
+        for k, piece in enumerate(pieces):
+            if piece in which:
+                out += replies[which[piece]]
+            elif piece:
+                enc = list(self.tokenizer.encode(piece, add_special_tokens=False))
+                if k == 0 and ids[:len(enc)] != enc:  # the start must be the ordinary tokenization's
+                    return ids
+                out += enc
+        self.spliced += 1
+        self.replies_spliced += len(hits)
+        return out
+
+    def stats(self) -> dict:
+        return {"remembered": len(self._by_text), "prompts_spliced": self.spliced, "replies_spliced": self.replies_spliced}
