@@ -13,9 +13,10 @@ joiners can finish in one iteration (a burst of B agents joins together; the run
 whole prompts as one batched cohort), a long one is split across iterations and prefilled alone.
 Either way running rows stall for at most one chunk's worth of prefill between two decode steps.
 
-A fleet's turn boundary: when more requests wait to prefill (queued or mid-prefill) than rows decode,
-the queue's wait matters more than the few running rows' stall, so the iteration may spend one chunk
-per running row's share of the queue (``ceil(queued / running)`` chunks, at most ``prefill_burst``):
+A fleet's turn boundary: when at least ``MIN_TURN_QUEUE`` requests wait to prefill (queued or mid-prefill)
+and they outnumber the rows that decode, the queue's wait matters more than the few running rows' stall,
+so the iteration may spend one chunk per running row's share of the queue (``ceil(queued / running)``
+chunks, at most ``prefill_burst``):
 agents whose next turns arrive together join in one or two cohorts instead of one chunk's worth per
 iteration (on an H200, 32 agents' turns of ~280 uncached tokens waited up to 4 iterations of ~0.4 s).
 
@@ -268,12 +269,15 @@ class Scheduler:
         return next(i for i, r in enumerate(self.running) if r.request_id == request_id)
 
 
+MIN_TURN_QUEUE = 4  # fewer waiting turns of agent size (100-300 tokens) fit one chunk anyway
+
+
 def iteration_budget(queued: int, running: int, chunk: int, burst: int) -> int:
     """A busy iteration's prefill tokens: one chunk, or ``ceil(queued / running)`` chunks (at most ``burst``)
     when more requests wait than rows decode. The parity plan (``mlxb.parity.plan``) states the same rule."""
     # NOTE: the stall of a running row is bounded by one burst; a turn boundary of an agent fleet trades it
     # for the queue's wait, which is what every waiting agent sees as its TTFT
-    if running <= 0 or queued <= running:
+    if running <= 0 or queued <= running or queued < MIN_TURN_QUEUE:
         return chunk
     return max(chunk, min(burst, chunk * -(-queued // running)))
 

@@ -144,8 +144,10 @@ class Planner:
         idle = not batch and not prefilling  # the engine's default prefill_burst: eight chunks
         burst = 8 * case.prefill_chunk
         queued, chunk = len(waiting) + len(prefilling), case.prefill_chunk
-        # a turn boundary (more waiting than decoding): a chunk per decoding row's share of the queue, at most a burst
-        busy = chunk if not batch or queued <= len(batch) else min(burst, chunk * -(-queued // len(batch)))
+        # a turn boundary (at least 4 waiting, more than decoding): a chunk per decoding row's share of the queue,
+        # at most a burst (no case of B <= 4 queues that many behind a decoding row)
+        turn = batch and queued > len(batch) and queued >= 4
+        busy = min(burst, chunk * -(-queued // len(batch))) if turn else chunk
         budget = burst if idle else busy
         j = 0
         admitted: set[int] = set()

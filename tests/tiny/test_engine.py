@@ -337,3 +337,34 @@ def test_idle_engine_gives_cached_buffers_back_after_a_poll_not_before_the_last_
         eng.shutdown()
     assert events.count("clear") == 1 and events[-1] == "clear", events
     assert events.index("clear") > events.index("answered"), events
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_a_fleets_next_turns_join_in_one_cohort_and_keep_their_tokens(tiny_models, monkeypatch, rule):
+    """Issue 46: six turns that arrive while one row decodes are prefilled in one iteration (one cohort), not one
+    chunk's worth per iteration, and every row gives the tokens it gives alone. With the turn-boundary rule off
+    (the planted control) the same arrivals take one iteration each, so the count below tells them apart."""
+    import mlxb.engine.scheduler as S
+
+    if not rule:
+        monkeypatch.setattr(S, "MIN_TURN_QUEUE", 10**9)
+    model, tok, _, _ = tiny_models("tiny-llama")
+    rng = np.random.default_rng(7)
+    turns = [rng.integers(3, 8000, size=12).tolist() for _ in range(6)]
+    alone = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=6)] for p in turns]
+    eng = Engine(model, tok, max_batch=8, prefill_chunk=16)
+    first = OutputStream("run")
+    eng.accept(Request("run", rng.integers(3, 8000, size=8).tolist(), 40, ignore_eos=True), first)
+    eng.iterate()  # the running row's prefill (an idle iteration)
+    eng.iterate()
+    streams = {f"t{i}": OutputStream(f"t{i}") for i in range(6)}
+    for i, p in enumerate(turns):
+        eng.accept(Request(f"t{i}", p, 6, ignore_eos=True), streams[f"t{i}"])
+    admitted = []
+    while any(k in eng._live for k in streams):
+        out = eng.iterate()
+        admitted.append(len(out.admitted))
+    got = [[o.token for o in streams[f"t{i}"] if o.token is not None] for i in range(6)]
+    assert got == alone
+    assert (admitted[0] == 6) is rule, admitted  # rule on: all six in the first iteration
+    assert rule or sum(1 for a in admitted if a) >= 3  # one chunk (16 tokens) per iteration: 2 turns at most

@@ -203,6 +203,7 @@ def test_a_turn_boundary_prefills_a_chunk_per_running_rows_share_of_the_queue():
 
     assert iteration_budget(3, 4, 100, 800) == 100 and iteration_budget(4, 4, 100, 800) == 100
     assert iteration_budget(5, 4, 100, 800) == 200 and iteration_budget(12, 2, 100, 800) == 600
+    assert iteration_budget(3, 1, 100, 800) == 100  # a short queue fits a chunk: the plain rule
     assert iteration_budget(31, 1, 100, 800) == 800 and iteration_budget(5, 0, 100, 800) == 100
 
     s = Scheduler(max_batch=16, prefill_chunk=20, prefill_burst=160)
