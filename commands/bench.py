@@ -385,8 +385,8 @@ def engine(
         last = {(r["metric"] != "aggregate_tps", r["B"]): r for r in agg}
         for (ragged, B), r in sorted(last.items()):
             st = r["ours_step_timing"]
-            tt.add_row(f"{B} ragged" if ragged else str(B), f"{r['ours_wall_s']:.3f}", f"{r['peer_wall_s']:.3f}", f"{r['ours_all_first_s']:.3f}",
-                       f"{r['peer_first_s']:.3f}", str(st["steps"]), f"{st['build_ms']:.2f}", f"{st['launch_ms']:.2f}",
+            tt.add_row(f"{B} ragged" if ragged else str(B), f"{r['ours_wall_s']:.3f}", f(r["peer_wall_s"], 3), f"{r['ours_all_first_s']:.3f}",
+                       f(r["peer_first_s"], 3), str(st["steps"]), f"{st['build_ms']:.2f}", f"{st['launch_ms']:.2f}",
                        f"{st['wait_ms']:.2f}", f"{st['emit_ms']:.2f}", f"{st['deliver_ms']:.2f}",
                        f"{st['prefill_s_total']:.3f}")
         console.print(tt)

@@ -400,4 +400,9 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     python3 "$here/scripts/trace_summary.py" "$MLXB_TRACE" --json "$OUT/trace-summary.json" 2>&1 | tail -40
     python3 -m mlxb.commands.main report reports/results --out "$OUT/agentloop-h200.md" >/dev/null
     tar czf "$OUT/agentloop-results.tgz" reports/results ;;
+  engine6k)  # issue 46: 32 rows of ~6k-token prompts in process; mlx-lm's BatchGenerator may run out of memory (recorded as failed)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    timeout ${LIMIT:-300} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-32} --prompt-len ${PROMPT:-6000} \
+      --gen ${GEN:-64} --repeats ${REPEATS:-1} --prefill-len 2048 --out "$OUT/engine-6k-$m.json" 2>&1 | grep -v Warning | tail -${TAIL:-16} ;;
 esac

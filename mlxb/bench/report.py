@@ -55,7 +55,11 @@ def _verdict(lo, hi, higher_is_better: bool) -> str:
 def ab_table(summ: pd.DataFrame, reqs: pd.DataFrame) -> list[dict]:
     rows = []
     ok = summ[summ["status"].isin(["ok", "errors", "gate_failed"])]
-    for (cell, conc), g in ok.groupby(["cell", "concurrency"], sort=True):
+    waves = "wave" in ok.columns and ok["wave"].notna().any()  # first wave (fresh servers) and warm apart
+    keys = ["cell", "concurrency", "wave"] if waves else ["cell", "concurrency"]
+    for key, g in ok.groupby(keys, sort=True):
+        cell, conc = key[0], key[1]
+        wave = key[2] if waves else None
         peers = [s for s in g["stack"].unique() if s != OURS]
         if OURS not in set(g["stack"]) or not peers:
             continue
@@ -63,13 +67,15 @@ def ab_table(summ: pd.DataFrame, reqs: pd.DataFrame) -> list[dict]:
             a = g[g["stack"] == OURS]["output_throughput"].to_numpy(float)
             b = g[g["stack"] == peer]["output_throughput"].to_numpy(float)
             tp, tlo, thi = _ratio_ci(a, b, np.mean)
-            row = {"cell": cell, "concurrency": int(conc), "peer": peer, "ours_tps": float(a.mean()),
+            row = {"cell": cell, "concurrency": int(conc), "wave": wave, "peer": peer, "ours_tps": float(a.mean()),
                    "peer_tps": float(b.mean()), "tps_ratio": tp, "tps_lo": tlo, "tps_hi": thi,
                    "tps_verdict": "peer served nothing" if tp is None else _verdict(tlo, thi, True)}
             row.update({"ours_p95_ttft": None, "peer_p95_ttft": None, "ttft_ratio": None, "ttft_lo": None,
                         "ttft_hi": None, "ttft_verdict": "no TTFT from a stack"})
             if not reqs.empty:
                 sel = reqs[(reqs["cell"] == cell) & (reqs["concurrency"] == conc) & reqs["ok"]]
+                if wave is not None and "wave" in sel.columns:
+                    sel = sel[sel["wave"] == wave]
                 ta = sel[sel["stack"] == OURS]["ttft"].dropna().to_numpy(float)
                 tb = sel[sel["stack"] == peer]["ttft"].dropna().to_numpy(float)
                 if len(ta) and len(tb):
@@ -93,7 +99,8 @@ def headline(ab: list[dict]) -> list[dict]:
         good = [r["tps_verdict"] == "faster", r["ttft_verdict"] == "faster"]
         bad = [r["tps_verdict"] == "slower", r["ttft_verdict"] == "slower"]
         tone = "slower" if any(bad) else "faster" if any(good) else "indistinguishable"
-        out.append({"cell": r["cell"], "concurrency": r["concurrency"], "peer": r["peer"], "text": text, "tone": tone})
+        out.append({"cell": r["cell"] + (f" ({r['wave']} wave)" if r.get("wave") else ""), "concurrency": r["concurrency"],
+                    "peer": r["peer"], "text": text, "tone": tone})
     return out
 
 

@@ -224,3 +224,16 @@ def test_agent_loop_resends_the_conversation_with_tool_calls_and_results():
     assert s["turns_later"] == 4 and s["failed_turns"] == 0 and s["p95_ttft_later"] is not None
     other = L.agent_loop_dataset(_Tok(), 2, 3, 5, 3, 4, 7, 1000, seed=12)
     assert other.conversations[0]["messages"][0]["content"] not in systems  # a new seed: new text
+
+
+def test_first_wave_and_warm_rows_get_their_own_verdicts():
+    """Issue 46: a fresh server's first wave (compiles, cold caches) and warm rounds are reported apart."""
+    from mlxb.bench.report import headline
+
+    rows = [{"cell": "c", "stack": st, "concurrency": 8, "repeat": i, "status": "ok", "output_throughput": v,
+             "wave": "first" if i == 0 else "warm"}
+            for i, (a, b) in enumerate([(100, 10), (100, 90), (101, 91)]) for st, v in (("mlxb", a), ("mlx-lm", b))]
+    ab = ab_table(pd.DataFrame(rows), pd.DataFrame())
+    by = {r["wave"]: r for r in ab}
+    assert set(by) == {"first", "warm"} and by["first"]["tps_ratio"] == 10.0 and 1.1 < by["warm"]["tps_ratio"] < 1.12
+    assert [h["cell"] for h in headline(ab)] == ["c (first wave)", "c (warm wave)"]
