@@ -96,4 +96,7 @@ class ReplyIds:
         return out
 
     def stats(self) -> dict:
-        return {"remembered": len(self._by_text), "prompts_spliced": self.spliced, "replies_spliced": self.replies_spliced}
+        with self._lock:
+            self._absorb()
+            return {"remembered": len(self._by_text), "prompts_spliced": self.spliced,
+                    "replies_spliced": self.replies_spliced}
