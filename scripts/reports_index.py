@@ -51,6 +51,10 @@ def bench_headline(d: dict) -> str:
     for row in d.get("summary") or []:
         if not isinstance(row, dict) or "ratio_median" not in row:
             continue
+        if row["ratio_median"] is None:
+            what = row.get("metric") or row.get("regime") or ""
+            parts.append(f"{what} B={row.get('B')}: peer failed ({row.get('peer_failed_reason', '?')[:60]})")
+            continue
         what = row.get("metric") or row.get("regime") or row.get("scheme") or row.get("arm") or ""
         extra = [f"{k}={row[k]}" for k in ("B", "kv_bits", "bits") if k in row]
         rng = f" ({short(row.get('ratio_min'))}-{short(row.get('ratio_max'))})" if "ratio_min" in row else ""
