@@ -21,6 +21,8 @@ def serve(
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV byte budget for admission, e.g. 2GB, 512MiB, 100000."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Default max_tokens when a request gives none."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="A Jinja chat template string overriding the tokenizer's."),
+    tool_prompt: bool = typer.Option(True, "--tool-prompt/--no-tool-prompt", help="When the chat template drops tools, "
+                                     "put their schemas into the system turn (asking for JSON calls in <tool_call> tags)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MLXB_API_KEY", help="Require 'Authorization: Bearer KEY'."),
     max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Request body size limit (413 above it)."),
     log_level: str = typer.Option("info", "--log-level"),
@@ -72,7 +74,7 @@ def serve(
     pc_disk = parse_bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes") if prompt_cache_disk_bytes else None
     with status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
-                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template,
+                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template, tool_prompt=tool_prompt,
                            warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes, adapters=lora,
                            max_loras=max_loras, max_lora_rank=max_lora_rank, lora_path=lora_path,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,
@@ -95,10 +97,7 @@ def serve(
     if compile_decode or compile_batch:
         console.print("compiled decode: " + ("lone rows and batch steps" if compile_batch else "lone rows")
                       + " (checked bit for bit against the plain step at start-up)")
-    tf = gw.tool_format
-    console.print(f"tool calls: parsed with mlx-lm's {tf.name} parser ({tf.start} ... {tf.end})" if tf.on else
-                  "tool calls: off for this model (its chat template has no format mlx-lm knows); tools are still "
-                  "rendered and calls come back as text")
+    console.print("tool calls: " + gw.tool_summary())
     pc = gw.engine.prompt_cache
     if gw.engine.kv_scheme is not None:
         console.print(f"KV cache: {gw.engine.kv_scheme.name} (full-attention and sliding-window layers; recurrent "

@@ -118,6 +118,7 @@ class Request:
     spec_accepted: int = 0
     constraint: Any = None  # mlxb.constrain.grammar.Constraint: this row's grammar matcher (structured outputs)
     requeues: int = 0  # times its prefill ran out of device memory and it went back to the queue
+    tool_format: Any = None  # mlxb.constrain.tools.ToolFormat its output's tool calls are parsed with (None: no tools)
     reply_ids: Optional[list] = None  # chat rows under a prompt cache: the generated ids (mlxb.engine.replies)
     timings: Timings = field(default_factory=Timings)
     error: Optional[str] = None

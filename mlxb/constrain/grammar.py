@@ -150,6 +150,8 @@ class Grammars:
         self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos[0])
         self.n_vocab = n_vocab
         self.eos_ids = eos
+        self.hf = hf
+        self._specials: Optional[frozenset] = None
 
     # ---- request formats -> grammar strings ----------------------------------------------------
     def from_schema(self, schema, param: str) -> str:
@@ -175,22 +177,25 @@ class Grammars:
             raise ValidationError("choice must be a non-empty list of non-empty strings", param=param)
         return self.ll.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in choices))
 
-    def tool_call(self, tools: list[dict], start: str, end: str, name: Optional[str], param: str) -> str:
-        """One call of the given tools in the json_tools format: ``start`` + {"name", "arguments"} + ``end``."""
-        options = []
-        for t in tools:
-            fn = t["function"]
-            if name is not None and fn["name"] != name:
-                continue
-            params = fn.get("parameters") or {"type": "object"}
-            options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                            "required": ["name", "arguments"], "additionalProperties": False})
-        if not options:
+    @property
+    def specials(self) -> frozenset:
+        """The text of every special token (a forced call's tags are matched as those tokens)."""
+        if self._specials is None:
+            added = getattr(self.hf, "added_tokens_decoder", {}) or {}
+            self._specials = frozenset(t.content for i, t in added.items()
+                                       if i < self.n_vocab and self.tokenizer.is_special_token(i) and t.content)
+        return self._specials
+
+    def tool_calls(self, tools: list[dict], fmt, name: Optional[str], parallel: bool, param: str) -> str:
+        """Forced calls of ``tools`` (only ``name`` when given) in tool format ``fmt``
+        (``mlxb.constrain.tools.ToolFormat`` with a writer; ``mlxb.constrain.forced``)."""
+        from mlxb.constrain.forced import forced_calls
+
+        if name is not None and name not in [t["function"]["name"] for t in tools]:
             raise ValidationError(f"tool_choice names {name!r}, which is not among the declared tools", param=param)
-        schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-        schema["x-guidance"] = {"whitespace_flexible": False}  # compact JSON, as the template writes it
-        lark = (f"start: {json.dumps(start + chr(10))} call {json.dumps(chr(10) + end)}\n"
-                f"call: %json {json.dumps(schema)}\n")
+        lark = forced_calls(tools, name, fmt.writer, "" if fmt.keep_start else fmt.start, fmt.end, parallel, self.specials)
+        if lark is None:
+            raise ValidationError(f"no forced-call grammar for the {fmt.name} format", param=param)
         return self.ll.LLMatcher.grammar_from_lark(lark)
 
     def validate(self, grammar: str, param: str) -> str:

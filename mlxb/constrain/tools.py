@@ -5,8 +5,8 @@
   ``function.arguments`` as an object (a JSON string is parsed), ``content`` "" instead of null,
   ``tool`` turns with their ``tool_call_id``; ``developer`` is rendered as ``system``.
 * ``ToolFormat`` is how the model writes a call: mlx-lm's own parser for the chat template
-  (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` / ``tool_call_end``), or none (tools are
-  still rendered; calls come back as plain text).
+  (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` / ``tool_call_end``), mlxb's parser for
+  Llama 3's JSON calls, or none; ``ToolFormat.json_tools()`` is the form asked of the rest.
 * ``constraint_grammar`` turns ``response_format``, ``structured_outputs`` (vLLM's extension:
   json / regex / grammar / choice) and a forced ``tool_choice`` into one llguidance grammar.
 """
@@ -130,32 +130,84 @@ def tool_choice_mode(choice: Any, tools: Optional[list[dict]]) -> tuple[str, Opt
          "tool_choice")
 
 
+def parse_llama3_json(text: str, tools: Any = None):
+    """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}`` (``arguments`` accepted too), several
+    separated by ``;``, optionally after ``<|python_tag|>``. mlx-lm ships no parser for this format."""
+    text = text.strip()
+    if text.startswith("<|python_tag|>"):
+        text = text[len("<|python_tag|>"):]
+    dec, pos, calls = json.JSONDecoder(), 0, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        if pos >= len(text):
+            break
+        obj, pos = dec.raw_decode(text, pos)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError(f"not a Llama 3 tool call: {obj!r}")
+        args = obj.get("parameters", obj.get("arguments", {}))
+        calls.append({"name": obj["name"], "arguments": json.loads(args) if isinstance(args, str) else args})
+    if not calls:
+        raise ValueError("no tool call")
+    return calls[0] if len(calls) == 1 else calls
+
+
+def _is_llama3_json(template: Any) -> bool:
+    return isinstance(template, str) and "tool_call" in template and '"parameters": ' in template \
+        and '{"name": "' in template
+
+
 @dataclass
 class ToolFormat:
-    """How this model's chat template writes tool calls (mlx-lm's parser), or ``parser`` None."""
+    """How this model's chat template writes tool calls: a parser (mlx-lm's for the template, or
+    mlxb's own for a format mlx-lm lacks), the span's tags, and the forced-call writer
+    (``mlxb.constrain.forced``). ``parser`` None: no format is known (calls come back as text).
+    ``keep_start``: the start tag is part of the call (Llama 3's ``{"name"``), handed to the parser."""
 
     parser: Optional[Callable[[str, Any], Any]]
     start: Optional[str]
     end: Optional[str]
     name: Optional[str]
+    writer: Optional[str] = None
+    source: str = "mlx-lm"
+    keep_start: bool = False
 
     @classmethod
     def of(cls, tokenizer) -> "ToolFormat":
         parser = getattr(tokenizer, "tool_parser", None)
         start = getattr(tokenizer, "tool_call_start", None)
+        template = getattr(tokenizer, "chat_template", None)
         if parser is None or not start:
+            if _is_llama3_json(template):
+                return cls(parse_llama3_json, '{"name"', "", "llama3_json", "llama3_json", "mlxb", keep_start=True)
             return cls(None, None, None, None)
-        mod = getattr(parser, "__module__", "") or ""
-        return cls(parser, start, getattr(tokenizer, "tool_call_end", None) or "", mod.rsplit(".", 1)[-1] or None)
+        mod = (getattr(parser, "__module__", "") or "").rsplit(".", 1)[-1] or None
+        from mlxb.constrain.forced import WRITERS
+
+        writer = "mistral_args" if mod == "mistral" and isinstance(template, str) and "[ARGS]" in template else mod
+        return cls(parser, start, getattr(tokenizer, "tool_call_end", None) or "", mod,
+                   writer if writer in WRITERS else None)
+
+    @classmethod
+    def json_tools(cls) -> "ToolFormat":
+        """The JSON-in-tags form (mlx-lm's json_tools parser): what mlxb asks of a model whose template
+        has no tool format of its own, and what a forced call falls back to."""
+        from mlx_lm.tool_parsers import json_tools as jt
+
+        return cls(jt.parse_tool_call, jt.tool_call_start, jt.tool_call_end, "json_tools", "json_tools", "mlxb")
 
     @property
     def on(self) -> bool:
         return self.parser is not None
 
+    @property
+    def forcible(self) -> bool:
+        return self.on and self.writer is not None
+
 
 def constraint_grammar(grammars, *, response_format: Any = None, structured: Any = None,
                        tools: Optional[list[dict]] = None, choice: tuple[str, Optional[str]] = ("none", None),
-                       fmt: Optional[ToolFormat] = None) -> Optional[tuple[str, str]]:
+                       fmt: Optional[ToolFormat] = None, parallel: bool = True) -> Optional[tuple[str, str]]:
     """(grammar, kind) for this request, or None when nothing constrains it. Raises ValidationError
     (OpenAI 400) for a bad format or grammar, before any row exists."""
     asks = []
@@ -186,11 +238,9 @@ def constraint_grammar(grammars, *, response_format: Any = None, structured: Any
         asks.append((k, make))
     mode, name = choice
     if mode == "required":
-        if fmt is None or not fmt.on or fmt.name != "json_tools":
-            _bad("tool_choice 'required' or a named function is supported only for models whose chat template "
-                 "writes JSON tool calls in <tool_call> tags (mlx-lm's json_tools format); this model's is "
-                 f"{(fmt.name if fmt and fmt.on else 'not known')}. Use tool_choice 'auto'", "tool_choice")
-        asks.append(("tool_call", lambda: grammars.tool_call(tools, fmt.start, fmt.end, name, "tool_choice")))
+        if fmt is None or not fmt.forcible:
+            fmt = ToolFormat.json_tools()
+        asks.append(("tool_call", lambda: grammars.tool_calls(tools, fmt, name, parallel, "tool_choice")))
     if not asks:
         return None
     if len(asks) > 1:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 from mlxb.engine.engine import Engine
 from mlxb.engine.replies import ReplyIds
 from mlxb.engine.scheduler import common_prefix
+from mlxb.constrain.toolprompt import TemplateTools
 from mlxb.constrain.tools import ToolFormat, constraint_grammar, normalize_messages, tool_choice_mode, validate_tools
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import ValidationError
@@ -46,6 +47,7 @@ class GenerationInput:
     num_draft_tokens: Optional[int] = None  # speculation (--spec): this request's draft length, 0 = off
     tools: Optional[list[dict]] = None  # OpenAI function tools: rendered by the chat template
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True  # False: at most one call (a forced call's grammar allows exactly one)
     response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: Optional[dict] = None  # vLLM's extension: one of json / regex / grammar / choice
     adapter: Optional[str] = None  # a LoRA adapter loaded with --adapters (None: the base model)
@@ -53,7 +55,7 @@ class GenerationInput:
 
 class Gateway:
     def __init__(self, engine: Engine, tokenizer, *, model_name: str, default_max_tokens: int = 512,
-                 chat_template: Optional[str] = None):
+                 chat_template: Optional[str] = None, tool_prompt: bool = True):
         self.engine, self.tokenizer = engine, tokenizer
         self._system_prefixes: OrderedDict = OrderedDict()  # system messages + template args -> their prefix tokens
         self.model_name = model_name
@@ -64,7 +66,10 @@ class Gateway:
         if self.replies is not None:
             engine.delivery.on_reply = self.replies.finished
         self.vocab_size = _vocab_size(engine.model, tokenizer)
-        self.tool_format = ToolFormat.of(tokenizer)
+        # tools on a template that drops them go into the system turn, asking for JSON calls in tags
+        self.template_tools = TemplateTools.probe(tokenizer, chat_template, tool_prompt)
+        self.json_tools = ToolFormat.json_tools()
+        self.tool_format = self.json_tools if self.template_tools.adds else ToolFormat.of(tokenizer)
         self._grammars = None
         self._grammars_lock = threading.Lock()
 
@@ -158,9 +163,11 @@ class Gateway:
         if self.chat_template:
             kwargs["chat_template"] = self.chat_template
         tools = validate_tools(inp.tools)
-        if tools:
+        msgs = normalize_messages(inp.messages)
+        msgs, shown = self.template_tools.prepare(msgs, tools if inp.tool_choice != "none" else None)
+        if tools and (shown or self.template_tools.renders_tools):
             kwargs["tools"] = tools
-        return normalize_messages(inp.messages), kwargs
+        return msgs, kwargs
 
     def _prompt_cache(self):
         return getattr(getattr(self.engine, "reuse", None), "cache", None)
@@ -218,6 +225,7 @@ class Gateway:
                       snapshot_at=self.system_mark(inp, ids, chat))
         req.reply_ids = [] if remember else None
         req.constraint = self.constraint(inp)
+        req.tool_format = self.row_tool_format(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)
         return req
@@ -245,11 +253,42 @@ class Gateway:
             return None
         made = constraint_grammar(self.grammars, response_format=inp.response_format,
                                   structured=inp.structured_outputs, tools=tools, choice=choice,
-                                  fmt=self.tool_format)
+                                  fmt=self.tool_format, parallel=inp.parallel_tool_calls is not False)
         if made is None:
             return None
         grammar, kind = made
         return self.grammars.constraint(grammar, kind)
+
+    def tool_summary(self) -> str:
+        """One line for the start-up banner: how tools reach the model and how its calls are read."""
+        tf, tt = self.tool_format, self.template_tools
+        if tt.adds:
+            return ("the chat template drops tools, so their schemas go into the system turn and calls are asked "
+                    "for as JSON in <tool_call> tags (json_tools parser; forced calls too; --no-tool-prompt turns "
+                    "this off)")
+        dropped = "" if tt.renders_tools else "; the chat template drops tools (left so: --no-tool-prompt)"
+        if not tf.on:
+            return ("no tool-call format is known for this chat template: auto calls come back as text; forced "
+                    "calls (tool_choice required or named) are written as JSON in <tool_call> tags" + dropped)
+        src = "mlx-lm's" if tf.source == "mlx-lm" else "mlxb's"
+        forced = "in that format" if tf.forcible else "as JSON in <tool_call> tags"
+        return f"parsed with {src} {tf.name} parser ({tf.start} ... {tf.end}); forced calls {forced}{dropped}"
+
+    def tool_card(self) -> dict:
+        """What /v1/models says about tools."""
+        return {"tool_parser": self.tool_format.name if self.tool_format.on else None,
+                "forced_tool_calls": self.tool_format.writer if self.tool_format.forcible else "json_tools",
+                **self.template_tools.card()}
+
+    def row_tool_format(self, inp: GenerationInput) -> Optional[ToolFormat]:
+        """The format a row's tool calls are parsed in: the model's, or the JSON-in-tags form a forced
+        call falls back to on a format without a grammar writer; None without tools or with 'none'."""
+        tools = validate_tools(inp.tools)
+        if not tools or inp.tool_choice == "none" or inp.messages is None:
+            return None
+        if tool_choice_mode(inp.tool_choice, tools)[0] == "required" and not self.tool_format.forcible:
+            return self.json_tools
+        return self.tool_format if self.tool_format.on else None
 
     def place(self, req: Request) -> str:
         # NOTE: placement reads capability only; sampling features never force the serial path.

@@ -38,8 +38,10 @@ def agent_routes(gw, h) -> list[Route]:
         h.metrics.prompt_tokens.inc(req.num_prompt_tokens)
         return req, stream, opts, extra
 
-    def tool_stream(opts):
-        return ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
+    def tool_stream(req, opts):
+        if not opts["tools"] or req.tool_format is None:
+            return None
+        return ToolCallStream(req.tool_format, opts["tools"], None if opts["parallel_tool_calls"] else 1)
 
     def typed_sse(req, stream, first: list, step, kind: str):
         """Server-sent typed events (``event: TYPE``): ``first``, then ``step(output)``'s for each output."""
@@ -73,7 +75,7 @@ def agent_routes(gw, h) -> list[Route]:
         if isinstance(got, Response):
             return got
         req, stream, opts, echo = got
-        b = R.Builder(echo, opts["model"] or gw.model_name, tool_stream(opts))
+        b = R.Builder(echo, opts["model"] or gw.model_name, tool_stream(req, opts))
 
         def lps(out):
             return P.logprobs_chat(gw.tokenizer, [out])["content"] if opts["logprobs"] and out.logprob else []
@@ -98,7 +100,7 @@ def agent_routes(gw, h) -> list[Route]:
         if isinstance(got, Response):
             return got
         req, stream, opts, _ = got
-        b = A.Builder(opts["model"] or gw.model_name, tool_stream(opts), req.num_prompt_tokens)
+        b = A.Builder(opts["model"] or gw.model_name, tool_stream(req, opts), req.num_prompt_tokens)
 
         def end(last):
             h.metrics.requests.labels("messages", last.finish_reason or "error").inc()

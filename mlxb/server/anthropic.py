@@ -135,6 +135,8 @@ def to_chat(body: Any, count_only: bool = False) -> dict:
         chat["tools"] = tools
         if body.get("tool_choice") is not None:
             chat["tool_choice"] = _tool_choice(body["tool_choice"])
+            if isinstance(body["tool_choice"], dict) and body["tool_choice"].get("disable_parallel_tool_use"):
+                chat["parallel_tool_calls"] = False
     elif (body.get("tool_choice") or {}).get("type") not in (None, "auto", "none"):
         _bad("tool_choice needs tools", "tool_choice")
     return chat
@@ -204,7 +206,7 @@ class Builder:
         return self._parts(self.calls.feed(text) if self.calls is not None else [("content", text)])
 
     def finish(self, reason: Optional[str], usage: Optional[dict], stop_sequence: Optional[str] = None) -> list[dict]:
-        evs = self._parts(self.calls.finish()) if self.calls is not None else []
+        evs = self._parts(self.calls.finish(reason == "length")) if self.calls is not None else []
         evs += self._close()
         if usage:
             cached = usage.get("cached_tokens", 0)

@@ -215,8 +215,10 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             if echoes:
                 body = shown + P.echo_gap(gw.tokenizer, next((o.token for o in outs if o.token is not None), None), body) + body
             calls, reason = None, P.finish(last.finish_reason)
-            if opts["tools"] and gw.tool_format.on:
-                body, calls = split_tool_calls(gw.tool_format, opts["tools"], body)
+            fmt = subs[i][0].tool_format
+            if opts["tools"] and fmt is not None:
+                body, calls = split_tool_calls(fmt, opts["tools"], body, None if opts["parallel_tool_calls"] else 1,
+                                              cut=last.finish_reason == "length")
                 if calls and reason == "stop":
                     reason = "tool_calls"
             choices.append(P.choice(chat, i, body, reason, lp, calls))
@@ -251,8 +253,8 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         done, last_t, first = [False] * n, [None] * n, [True] * n
         usages, offset = [None] * n, [0] * n  # offset: completion text so far (legacy logprobs' text_offset)
         gapped: set = set()
-        calls = [ToolCallStream(gw.tool_format, opts["tools"]) if (opts["tools"] and gw.tool_format.on) else None
-                 for _ in range(n)]
+        calls = [ToolCallStream(req.tool_format, opts["tools"], None if opts["parallel_tool_calls"] else 1)
+                 if (opts["tools"] and req.tool_format is not None) else None for req, _ in subs]
         kind = "chat" if chat else "completions"
         try:
             for i, (shown, echo_lp) in enumerate(echoes):  # echo: each choice starts with its prompt
@@ -270,7 +272,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                     out = dataclasses.replace(out, text=P.echo_gap(gw.tokenizer, out.token, out.text or "") + (out.text or ""))
                 parts = [("content", out.text or "")]
                 if calls[i] is not None:  # text is split into content and tool calls (a tag may wait a chunk)
-                    parts = calls[i].feed(out.text or "") + (calls[i].finish() if out.finish_reason is not None else [])
+                    parts = calls[i].feed(out.text or "") + (calls[i].finish(out.finish_reason == "length") if out.finish_reason is not None else [])
                     parts = parts or [("content", "")]
                 for part, v in parts:
                     text, tc = (v, None) if part == "content" else ("", v)
@@ -310,8 +312,9 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
 
     def model_cards() -> list[dict]:
         return ([{"id": n, "object": "model", "created": int(started), "owned_by": "mlxb",
-                  # mlx-lm's parser for this chat template's tool calls; None: tools are rendered, calls stay text
-                  "tool_parser": gw.tool_format.name if gw.tool_format.on else None} for n in sorted(names)]
+                  # the parser for this chat template's tool calls (None: calls stay text), the format forced
+                  # calls are written in, whether the template renders tools or mlxb adds them (the addendum)
+                  **gw.tool_card()} for n in sorted(names)]
                 + [{"id": a, "object": "model", "created": int(started), "owned_by": "mlxb", "parent": gw.model_name}
                    for a in sorted(adapter_ids())])
 

@@ -125,6 +125,7 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
     if chat:
         inp.tools = _get(body, "tools", list, None)
         inp.tool_choice = body.get("tool_choice")
+        inp.parallel_tool_calls = _get(body, "parallel_tool_calls", bool, True)
     elif body.get("tools") or body.get("tool_choice"):
         raise ValidationError("tools belong to /v1/chat/completions", param="tools")
     opts = {
@@ -140,6 +141,7 @@ def parse(body: Any, *, chat: bool, default_max_tokens: int) -> tuple[Generation
         "score_only": score_only,
         # tool calls are parsed out of the text unless tool_choice is "none"
         "tools": inp.tools if chat and inp.tools and inp.tool_choice != "none" else None,
+        "parallel_tool_calls": inp.parallel_tool_calls if chat else True,
     }
     return inp, opts
 

@@ -143,6 +143,8 @@ def to_chat(body: Any) -> tuple[dict, dict]:
         chat["tools"] = tools
         if body.get("tool_choice") is not None:
             chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if body.get("parallel_tool_calls") is not None:
+            chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     elif body.get("tool_choice") not in (None, "auto", "none"):
         _bad("tool_choice needs tools", "tool_choice")
     fmt = _format(body.get("text"))
@@ -274,7 +276,7 @@ class Builder:
         return evs
 
     def finish(self, reason: Optional[str], usage: Optional[dict], error: Optional[MlxbError] = None) -> list[dict]:
-        evs = self._parts(self.calls.finish(), []) if self.calls is not None else []
+        evs = self._parts(self.calls.finish(reason == "length"), []) if self.calls is not None else []
         if usage:
             self.usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                           "total_tokens": usage["total_tokens"],

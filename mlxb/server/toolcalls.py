@@ -35,9 +35,9 @@ def _shape(parsed: Any) -> list[dict]:
 class ToolCallStream:
     """Feed text deltas; get ("content", str) and ("calls", [call, ...]) events in order."""
 
-    def __init__(self, fmt: ToolFormat, tools: Optional[list[dict]]):
+    def __init__(self, fmt: ToolFormat, tools: Optional[list[dict]], max_calls: Optional[int] = None):
         assert fmt.on
-        self.fmt, self.tools = fmt, tools
+        self.fmt, self.tools, self.max_calls = fmt, tools, max_calls
         self.buf = ""
         self.in_call = False
         self.num_calls = 0
@@ -45,9 +45,11 @@ class ToolCallStream:
     def _parse(self, span: str) -> Optional[list[dict]]:
         """The calls in one tagged span, numbered on from the calls before (``index``), or None."""
         try:
-            calls = _shape(self.fmt.parser(span, self.tools))
+            calls = _shape(self.fmt.parser(self.fmt.start + span if self.fmt.keep_start else span, self.tools))
         except Exception:
             return None
+        if self.max_calls is not None:  # parallel_tool_calls false: the first call only
+            calls = calls[:max(0, self.max_calls - self.num_calls)]
         for c in calls:
             c["index"] = self.num_calls
             self.num_calls += 1
@@ -78,16 +80,19 @@ class ToolCallStream:
                 calls = self._parse(span)
                 if calls is None:
                     events.append(("content", start + span + end))
-                else:
+                elif calls:
                     events.append(("calls", calls))
 
-    def finish(self) -> list[tuple[str, Any]]:
+    def finish(self, cut: bool = False) -> list[tuple[str, Any]]:
+        """The rest. A span left open is parsed as it is (a format without an end tag, or a model that
+        ended the turn instead of writing it), unless ``cut`` (the row hit max_tokens) and the format has
+        an end tag: a call cut short is content, not a call with arguments missing."""
         events: list[tuple[str, Any]] = []
-        if self.in_call:  # left open (no end tag, or the output was cut): parse what is there
-            calls = self._parse(self.buf) if self.buf.strip() else None
+        if self.in_call:
+            calls = self._parse(self.buf) if self.buf.strip() and not (cut and self.fmt.end) else None
             if calls is None:
                 events.append(("content", self.fmt.start + self.buf))
-            else:
+            elif calls:
                 events.append(("calls", calls))
         elif self.buf:
             events.append(("content", self.buf))
@@ -95,11 +100,12 @@ class ToolCallStream:
         return events
 
 
-def split(fmt: ToolFormat, tools: Optional[list[dict]], text: str) -> tuple[Optional[str], list[dict]]:
+def split(fmt: ToolFormat, tools: Optional[list[dict]], text: str,
+          max_calls: Optional[int] = None, cut: bool = False) -> tuple[Optional[str], list[dict]]:
     """Whole output -> (content or None, tool calls)."""
-    s = ToolCallStream(fmt, tools)
+    s = ToolCallStream(fmt, tools, max_calls)
     content, calls = [], []
-    for kind, v in s.feed(text) + s.finish():
+    for kind, v in s.feed(text) + s.finish(cut):
         if kind == "content":
             content.append(v)
         else:

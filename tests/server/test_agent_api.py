@@ -55,7 +55,8 @@ def test_tool_call_history_renders_and_answers(oai):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "search"}}])
 def test_forced_tool_call_is_a_valid_call(oai, choice):
     r = oai.chat.completions.create(model="tiny-llama", messages=HISTORY + [{"role": "user", "content": "and Rome?"}],
-                                    tools=[WEATHER, SEARCH], tool_choice=choice, max_tokens=120)
+                                    tools=[WEATHER, SEARCH], tool_choice=choice, max_tokens=120,
+                                    parallel_tool_calls=False)
     msg = r.choices[0]
     assert msg.finish_reason == "tool_calls", msg
     assert msg.message.content is None and len(msg.message.tool_calls) == 1
@@ -66,7 +67,7 @@ def test_forced_tool_call_is_a_valid_call(oai, choice):
 
 def test_streamed_tool_call_reassembles_to_the_same_call(oai):
     kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER],
-              tool_choice="required", max_tokens=120, seed=3)
+              tool_choice="required", max_tokens=120, seed=3, parallel_tool_calls=False)
     whole = oai.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     name, args, index, reason = None, "", set(), None
     for ch in oai.chat.completions.create(stream=True, **kw):
@@ -128,7 +129,7 @@ def test_eight_mixed_rows_in_flight_are_all_valid(live, client):
         elif kind == 1:
             body["structured_outputs"] = {"regex": r"(ab|cd){1,3}!"}
         elif kind == 2:
-            body.update(tools=[WEATHER, SEARCH], tool_choice="required")
+            body.update(tools=[WEATHER, SEARCH], tool_choice="required", parallel_tool_calls=False)
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         return kind, r.json()["choices"][0]

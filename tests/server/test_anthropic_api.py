@@ -54,12 +54,12 @@ def test_stream_events_and_the_sdks_final_message(claude):
 
 
 def test_tool_use_then_tool_result_round_trip(claude, sdk):
-    m = claude.messages.create(model="tiny-llama", max_tokens=60, tools=[PICK], tool_choice={"type": "any"},
+    m = claude.messages.create(model="tiny-llama", max_tokens=60, tools=[PICK], tool_choice={"type": "any", "disable_parallel_tool_use": True},
                                messages=[{"role": "user", "content": "Which side?"}])
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "pick"
     assert uses[0].input["side"] in ("left", "right") and uses[0].id.startswith("toolu_")
-    with claude.messages.stream(model="tiny-llama", max_tokens=60, tools=[PICK], tool_choice={"type": "tool", "name": "pick"},
+    with claude.messages.stream(model="tiny-llama", max_tokens=60, tools=[PICK], tool_choice={"type": "tool", "name": "pick", "disable_parallel_tool_use": True},
                                 messages=[{"role": "user", "content": "Which side?"}]) as s:
         streamed = s.get_final_message()
     assert [b.type for b in streamed.content][-1] == "tool_use" and streamed.content[-1].input == uses[0].input

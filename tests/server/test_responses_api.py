@@ -50,12 +50,12 @@ def test_stream_events_in_order_and_their_deltas_make_the_text(sdk):
 
 def test_a_required_function_tool_comes_back_as_a_function_call_item(sdk):
     r = sdk.responses.create(model="tiny-llama", input="Which side?", tools=[ENUM_TOOL], tool_choice="required",
-                             max_output_tokens=60)
+                             max_output_tokens=60, parallel_tool_calls=False)
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "pick" and calls[0].call_id
     assert json.loads(calls[0].arguments)["side"] in ("left", "right")
     evs = list(sdk.responses.create(model="tiny-llama", input="Which side?", tools=[ENUM_TOOL], tool_choice="required",
-                                    max_output_tokens=60, stream=True))
+                                    max_output_tokens=60, stream=True, parallel_tool_calls=False))
     done = [e for e in evs if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and done[0].arguments == calls[0].arguments and done[0].name == "pick"
     assert evs[-1].response.output[-1].type == "function_call"

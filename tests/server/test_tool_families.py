@@ -1,0 +1,114 @@
+"""Tools on every chat-template family, through the openai SDK against a live server.
+
+Each family's folder is tiny-llama's weights under a template written in that family's shape
+(``tests/tool_templates.py``), so mlx-lm picks that family's parser. The weights are random: the model
+never calls a tool by itself, so every call here comes from the forced-call grammar, written in the
+family's own format and read back by its parser (``plain``: a template without tools, where mlxb adds
+them to the system turn and forces calls as JSON in ``<tool_call>`` tags).
+"""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from openai import OpenAI
+
+from mlxb.models import load_model
+from tests.server.conftest import LiveServer
+from tests.tool_templates import FAMILIES, family_folder
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string", "maxLength": 10},
+                                                                     "top": {"type": "boolean"}},
+                                     "required": ["q"], "additionalProperties": False}}}
+TOOLS = [WEATHER, SEARCH]
+MODEL = "default_model"  # any client's placeholder: the one served model
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+HISTORY = ASK + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 1}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "snow, -3C"},
+    {"role": "user", "content": "and in Bergen?"},
+]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES) + ["plain"])
+def family(request, tmp_path_factory):
+    path = load_model("tiny-llama", lazy=True)[3]
+    folder = family_folder(Path(path), tmp_path_factory.mktemp("tpl"), request.param)
+    srv = LiveServer(model=str(folder), batch=4, default_max_tokens=16, warmup=False, prompt_cache=False)
+    yield request.param, srv, OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    srv.stop()
+
+
+def _valid(call):
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert call.type == "function" and call.function.name in by_name and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+
+
+def test_models_card_names_the_format(family):
+    name, srv, oai = family
+    card = next(m for m in oai.models.list().model_dump()["data"] if m["id"] == srv.gw.model_name)
+    if name == "plain":
+        assert card["tool_parser"] == "json_tools" and card["tool_prompt"] == "addendum"
+        assert card["tools_in_template"] is False
+    else:
+        parser = {"laguna": "glm47", "mistral_args": "mistral"}.get(name, name)
+        assert card["tool_parser"] == parser and card["tool_prompt"] == "template"
+        assert card["forced_tool_calls"] == name if name != "laguna" else "glm47"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "search"}}])
+def test_forced_single_call_is_valid(family, choice):
+    _, _, oai = family
+    r = oai.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice=choice,
+                                    parallel_tool_calls=False, max_tokens=160, seed=1)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    assert c.message.content is None and len(c.message.tool_calls) == 1, c.message
+    _valid(c.message.tool_calls[0])
+    if isinstance(choice, dict):
+        assert c.message.tool_calls[0].function.name == "search"
+
+
+def test_streamed_calls_reassemble_to_the_whole_answer(family):
+    _, _, oai = family
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=1000, seed=5)
+    whole = oai.chat.completions.create(**kw).choices[0]
+    calls: dict = {}
+    reason = None
+    for ch in oai.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        for tc in ch.choices[0].delta.tool_calls or []:
+            got = calls.setdefault(tc.index, {"name": None, "args": ""})
+            got["name"] = tc.function.name or got["name"]
+            got["args"] += tc.function.arguments or ""
+        reason = ch.choices[0].finish_reason or reason
+    assert reason == whole.finish_reason
+    want = [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls or []]
+    assert [(calls[i]["name"], json.loads(calls[i]["args"])) for i in sorted(calls)] == want
+    assert want and sorted(calls) == list(range(len(want)))
+    for c in whole.message.tool_calls:
+        _valid(c)
+
+
+def test_parallel_calls_are_each_valid(family):
+    """Under "required" the grammar allows 1 to 8 calls (random weights rarely end early, so the row
+    writes several); room enough for all 8, so the turn always ends with its calls."""
+    _, _, oai = family
+    r = oai.chat.completions.create(model=MODEL, messages=HISTORY, tools=TOOLS, tool_choice="required",
+                                    max_tokens=1000, temperature=1.0, seed=11)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and 1 <= len(c.message.tool_calls) <= 8, c
+    for call in c.message.tool_calls:
+        _valid(call)
+    assert len({call.id for call in c.message.tool_calls}) == len(c.message.tool_calls)
