@@ -43,6 +43,7 @@ def load(
     ttft_threshold: float = typer.Option(2.0, "--ttft-threshold", help="Saturation knee: highest load with p95 TTFT under this (s)."),
     api_key: Optional[str] = typer.Option(None, "--api-key"),
     api: str = typer.Option("chat", "--api", help="Endpoint for chat payloads: chat (/v1/chat/completions), responses (/v1/responses) or messages (Anthropic's /v1/messages)."),
+    forced_tools: int = typer.Option(0, "--forced-tools", min=0, help="random: also run the load with every K-th request a forced tool call (tool_choice required), alternated with the plain load; rows report the free rows' TPOT (p50_tpot_free)."),
 ) -> None:
     """Load an OpenAI-compatible server over streaming SSE; optionally the same load on mlx_lm.server."""
     import asyncio
@@ -100,11 +101,19 @@ def load(
     else:
         raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix, multi-turn, agent-loop or a .jsonl file")
     cell.requests = requests
+    cells = [cell]
+    if forced_tools:
+        if dataset != "random":
+            raise ValidationError("--forced-tools goes with --dataset random")
+        cells.append(Cell(f"{cell.name}-forced{forced_tools}", "random", dict(cell.lengths),
+                          params={"forced_every": forced_tools}, concurrency=levels, output_len=output_len,
+                          requests=requests))
     if dataset == "agent-loop":
         cell.requests, cell.requests_per_slot = None, turns  # every agent runs its whole loop
     if api != "chat":
-        cell.name += f"-{api}"
-    rows = _run_stacks(Matrix("cli", [cell], repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
+        for c in cells:
+            c.name += f"-{api}"
+    rows = _run_stacks(Matrix("cli", cells, repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
                        dtype, "load", api=api, seed=seed)
     for st in sorted({r["stack"] for r in rows}):
         pts = [(r["concurrency"], r.get("p95_ttft")) for r in rows if r["stack"] == st and r["status"] != "unsupported"]

@@ -49,7 +49,9 @@ class _Grammar:
             hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
             eos = sorted(getattr(self.tokenizer, "eos_token_ids", []) or []) or [hf.eos_token_id]
             lt = llguidance.hf.from_tokenizer(hf, n_vocab=V, eos_token=eos[0])
-            g = llguidance.LLMatcher.grammar_from_regex(self.case.grammar["regex"])
+            spec = self.case.grammar
+            g = (llguidance.LLMatcher.grammar_from_lark(spec["lark"]) if "lark" in spec
+                 else llguidance.LLMatcher.grammar_from_regex(spec["regex"]))
             self.m = {r: llguidance.LLMatcher(lt, g, log_level=0) for r in self.rows}
         return self.m
 

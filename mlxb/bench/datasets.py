@@ -30,11 +30,14 @@ def _random_text(tokenizer, rng: random.Random, n_tokens: int, vocab: int) -> st
     return tokenizer.decode(ids)
 
 def random_dataset(tokenizer, n: int, input_len: int, output_len: int, vocab: int, seed: int = 0,
-                   extra: Optional[dict] = None) -> Dataset:
+                   extra: Optional[dict] = None, forced_every: int = 0) -> Dataset:
+    """Random prompts; ``forced_every`` k > 0: every k-th request is a forced tool call (``FORCED_TOOL``),
+    so the batch always holds constrained rows beside free ones."""
     rng = random.Random(seed)
     return Dataset("random", [
         {"messages": [{"role": "user", "content": _random_text(tokenizer, rng, input_len, vocab)}],
-         "max_tokens": output_len, **(extra or {})} for _ in range(n)])
+         "max_tokens": output_len, **(extra or {}),
+         **(FORCED_TOOL if forced_every and i % forced_every == forced_every - 1 else {})} for i in range(n)])
 
 def shared_prefix_dataset(tokenizer, groups: int, prompts_per_group: int, system_len: int, question_len: int,
                           output_len: int, vocab: int, seed: int = 0, extra: Optional[dict] = None) -> Dataset:
@@ -80,6 +83,10 @@ AGENT_TOOLS = [
                                       "parameters": {"type": "object", "properties": {"patch": {"type": "string"}},
                                                      "required": ["patch"]}}},
 ]
+
+# a forced call of the agent tools (one call; the model's own tool format, or JSON in <tool_call> tags)
+FORCED_TOOL = {"tools": AGENT_TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+
 
 def agent_loop_dataset(tokenizer, agents: int, turns: int, system_len: int, task_len: int, tool_len: int,
                        output_len: int, vocab: int, seed: int = 0, extra: Optional[dict] = None) -> Dataset:

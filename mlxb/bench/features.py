@@ -39,8 +39,9 @@ def _dataset(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int)
     ln = {k: max(1, int(round(v * scale))) if k.endswith("_len") and k != "question_len" else v
           for k, v in cell.lengths.items()}
     extra = dict(cell.params)
+    forced_every = int(extra.pop("forced_every", 0) or 0)
     if cell.dataset == "random":
-        return L.random_dataset(tokenizer, n, ln["input_len"], cell.output_len, vocab, seed, extra)
+        return L.random_dataset(tokenizer, n, ln["input_len"], cell.output_len, vocab, seed, extra, forced_every)
     if cell.dataset == "shared-prefix":
         groups = ln.get("groups", 1)
         return L.shared_prefix_dataset(tokenizer, groups, max(1, -(-n // groups)), ln["system_len"],

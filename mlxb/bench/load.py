@@ -44,6 +44,7 @@ class RequestResult:
     min_top_logprobs: Optional[int] = None  # fewest top_logprobs alternatives on any of them
     text: str = ""  # the reply (multi-turn conversations send it back); not stored in results
     turn: Optional[int] = None  # multi-turn datasets: 0 for a conversation's first request, then 1, 2, ...
+    constrained: bool = False  # the request asked for a forced tool call or a response format (a grammar row)
 
     @property
     def tpot(self) -> Optional[float]:
@@ -93,6 +94,8 @@ def summarize(results: list[RequestResult]) -> dict:
     }
     s.update(_pcts([r.ttft for r in ok], "ttft"))
     s.update(_pcts([r.tpot for r in ok], "tpot"))
+    s["constrained"] = sum(r.constrained for r in ok)
+    s.update(_pcts([r.tpot for r in ok if not r.constrained], "tpot_free"))  # rows beside grammar rows
     s.update(_pcts([x for r in ok for x in r.itls], "itl"))
     s.update(_pcts([r.e2el for r in ok], "e2el"))
     if any(r.turn is not None for r in results):  # conversations: what a returning agent waits for
@@ -112,6 +115,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict
     url = base_url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     res = RequestResult(index, clock())
+    res.constrained = payload.get("tool_choice") not in (None, "auto", "none") or bool(payload.get("response_format"))
     last = None
     counted = 0
     try:

@@ -8,8 +8,8 @@ import hashlib
 import numpy as np
 
 from mlxb.parity.plan import plan
-from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, LORA_ADAPTERS, PREFIX_TRIMMABLE, QUANT_GROUP,
-                                  Case, RowSpec)
+from mlxb.parity.protocol import (CASES, GRAMMAR_REGEX, GRAMMAR_ROWS, LORA_ADAPTERS, PARITY_TOOLS, PREFIX_TRIMMABLE,
+                                  QUANT_GROUP, TOOLS_ROWS, Case, RowSpec)
 
 
 class Pool:
@@ -81,6 +81,13 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "grammar", b, seed, j.rows, j.prefill_chunk, j.join_full,
                     grammar={"regex": GRAMMAR_REGEX, "rows": [r for r in GRAMMAR_ROWS if r < b]})
+    elif case == "tools":  # the join case's rows; rows 1 and 3 forced to call a tool (a template without tools)
+        from mlxb.constrain.forced import forced_calls
+
+        j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
+        lark = forced_calls(PARITY_TOOLS, None, "json_tools", "<tool_call>", "</tool_call>", parallel=False)
+        return Case(model, dtype, "tools", b, seed, j.rows, j.prefill_chunk, j.join_full,
+                    grammar={"lark": lark, "rows": [r for r in TOOLS_ROWS if r < b]})
     elif case == "lora":  # the join case's rows, adapters 0, none, 1, 0, ... (rows of three kinds in one batch)
         j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "lora", b, seed, j.rows, j.prefill_chunk, j.join_full,

@@ -76,8 +76,11 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                     req = Request(f"r{i}", prompt, spec.max_tokens, SamplingParams(), ignore_eos=True,
                                   adapter=case.lora["rows"][i] if case.lora else -1,
                                   num_draft_tokens=case.spec["rows"][i] if case.spec else None)
-                    if case.regex(i):
-                        req.constraint = grammars.constraint(grammars.from_regex(case.regex(i), "regex"), "regex")
+                    kind_text = case.constraint(i)
+                    if kind_text is not None:
+                        kind, text = kind_text
+                        g = grammars.from_regex(text, "regex") if kind == "regex" else grammars.from_lark(text, "grammar")
+                        req.constraint = grammars.constraint(g, kind)
                     reqs[i] = req
                     req.mechanism = "continuous"
                     st = OutputStream(req.request_id)

@@ -43,13 +43,22 @@ from typing import Optional
 import numpy as np
 
 CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant",
-         "lora", "spec")
+         "lora", "spec", "tools")
 # grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
 # where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
 # 180 characters, so every row still produces exactly max_tokens tokens and the plan is the join case's; the
 # constrained rows' logprobs are those of the masked distribution.
 GRAMMAR_REGEX = "(ab |cd ){60,}"
 GRAMMAR_ROWS = (0, 2)
+# tools: the join case's rows, rows 1 and 3 forced to call one of these tools on a template without tools: the
+# grammar mlxb writes for that (JSON in <tool_call> tags, mlxb.constrain.forced), frozen into the case as
+# Lark text. A long minimum string keeps the call open through every row's tokens, so the plan is join's.
+TOOLS_ROWS = (1, 3)
+PARITY_TOOLS = [{"type": "function", "function": {"name": "open_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string", "minLength": 400, "maxLength": 800},
+                                     "line": {"type": "integer"}}, "required": ["path"]}}},
+    {"type": "function", "function": {"name": "run", "parameters": {
+        "type": "object", "properties": {"cmd": {"type": "string", "minLength": 400}}, "required": ["cmd"]}}}]
 # prefix: every tiny preset; True where every layer is full attention / latent (reuse at any length)
 PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
                     "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
@@ -99,7 +108,8 @@ class Case:
     # prompt cache on: {"trimmable": bool, "links": {row: {"base": earlier row, "ssd": bool}}}; a linked
     # row's prompt is its base row's prompt + output + its own ``prompt`` tokens
     prefix: Optional[dict] = None
-    # constrained decoding: {"regex": str, "rows": [row, ...]}; those rows sample under the regex's token mask
+    # constrained decoding: {"regex": str, "rows": [row, ...]} or {"lark": str, ...}; those rows sample under
+    # the grammar's token mask
     grammar: Optional[dict] = None
     # quantized KV: {"bits": int, "group_size": int, "start": int} (mlx-lm's kv_bits, kv_group_size, quantized_kv_start)
     kv: Optional[dict] = None
@@ -130,6 +140,13 @@ class Case:
         """The regex constraining row ``r``, or None."""
         g = self.grammar or {}
         return g.get("regex") if r in g.get("rows", ()) else None
+
+    def constraint(self, r: int) -> Optional[tuple[str, str]]:
+        """("regex" | "lark", text) constraining row ``r``, or None."""
+        g = self.grammar or {}
+        if r not in g.get("rows", ()):
+            return None
+        return ("lark", g["lark"]) if "lark" in g else ("regex", g["regex"])
 
     def link(self, r: int) -> Optional[dict]:
         return (self.prefix or {}).get("links", {}).get(str(r))

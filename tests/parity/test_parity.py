@@ -57,9 +57,9 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
     assert out["ok"] and all(x["ok"] for x in res)
     live = [x for x in res if x["against"] == "live"]
     gold = [x for x in res if x["against"].startswith("golden")]
-    # 6 presets x (8 general + special + prefix) cases (+ quant on 2, spec on 3) x B=1..4 x 2 dtypes
-    assert len(live) == len(gold) == 504
-    assert sum(x["steps"] for x in live) == 14796  # coverage: row-steps incl. the burst, prefix, grammar, quant, lora, spec cases
+    # 6 presets x (9 general + special + prefix) cases (+ quant on 2, spec on 3) x B=1..4 x 2 dtypes
+    assert len(live) == len(gold) == 552
+    assert sum(x["steps"] for x in live) == 16236  # coverage: row-steps incl. burst, prefix, grammar, quant, lora, spec, tools
     assert sum(x["exact"] for x in live) == sum(x["steps"] for x in live)
     mine = ROOT / "goldens" / out["machine_key"]
     for x in gold:  # this machine's file is used wherever one is committed, the shared layer otherwise
@@ -70,7 +70,7 @@ def test_all_presets_cases_and_b_against_live_oracle_and_goldens():
 
 @pytest.mark.parametrize("fault,case", [("scalar_rope", "join"), ("no_filter_trim", "leave"),
                                         ("double_last_token", "static"), ("always_aligned", "join"),
-                                        ("prefix_off_by_one", "prefix"), ("grammar_one_step_late", "grammar"),
+                                        ("prefix_off_by_one", "prefix"), ("grammar_one_step_late", "grammar"), ("grammar_one_step_late", "tools"),
                                         ("kv_stale_scale", "quant"), ("lora_shift", "lora"),
                                         ("spec_rollback_off_by_one", "spec")])
 def test_negative_control_fails(fault, case):

@@ -112,3 +112,70 @@ def test_parallel_calls_are_each_valid(family):
     for call in c.message.tool_calls:
         _valid(call)
     assert len({call.id for call in c.message.tool_calls}) == len(c.message.tool_calls)
+
+
+# ---- a template without tools: mlxb adds them ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain_folder(tmp_path_factory):
+    return family_folder(Path(load_model("tiny-llama", lazy=True)[3]), tmp_path_factory.mktemp("plain"), "plain")
+
+
+def _prompt(gw, messages, **kw):
+    from mlxb.engine.gateway import GenerationInput
+
+    return gw.tokenizer.decode(gw.tokenize(GenerationInput(messages=messages, tools=TOOLS, **kw)))
+
+
+def test_a_template_without_tools_gets_them_in_the_system_turn_unless_turned_off(plain_folder):
+    on = LiveServer(model=str(plain_folder), batch=2, warmup=False, prompt_cache=False)
+    off = LiveServer(model=str(plain_folder), batch=2, warmup=False, prompt_cache=False, tool_prompt=False)
+    try:
+        text = _prompt(on.gw, HISTORY)
+        assert '"name": "get_weather"' in text and "<tool_call>" in text  # the schemas and the call form
+        assert text.index("# Tools") < text.index("What is the weather")  # in the system turn, in front
+        assert '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}' in text  # the earlier call
+        assert "<tool_response>\nsnow, -3C\n</tool_response>" in text  # the tool turn, as a user turn
+        assert "# Tools" not in _prompt(on.gw, ASK, tool_choice="none")
+        with pytest.raises(Exception, match="chat template failed"):  # off: the template refuses the tool turn
+            _prompt(off.gw, HISTORY)
+        assert "get_weather" not in _prompt(off.gw, ASK)
+        assert off.gw.tool_card()["tool_prompt"] == "dropped" and "drops tools" in off.gw.tool_summary()
+        sys_first = [{"role": "system", "content": "Be brief."}] + ASK
+        assert _prompt(on.gw, sys_first).count("<|im_start|>system") == 1  # appended to the system turn
+    finally:
+        on.stop()
+        off.stop()
+
+
+def test_mixed_rows_on_a_template_without_tools_share_steps_and_are_all_valid(plain_folder):
+    import concurrent.futures as cf
+
+    srv = LiveServer(model=str(plain_folder), batch=8, warmup=False, prompt_cache=False)
+    oai = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    steps0 = srv.gw.engine.counters["batched_steps"]
+    person = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["age"], "additionalProperties": False}
+
+    def one(i):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": f"task {i}"}], max_tokens=120, seed=i)
+        if i % 3 == 0:
+            kw.update(tools=TOOLS, tool_choice="required" if i % 2 else {"type": "function", "function": {"name": "search"}},
+                      parallel_tool_calls=False)
+        elif i % 3 == 1:
+            kw.update(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}})
+        return i, oai.chat.completions.create(**kw).choices[0]
+
+    try:
+        with cf.ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(one, range(8)))
+    finally:
+        srv.stop()
+    for i, c in results:
+        if i % 3 == 0:
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+            _valid(c.message.tool_calls[0])
+        elif i % 3 == 1:
+            jsonschema.validate(json.loads(c.message.content), person)
+        else:
+            assert c.finish_reason == "length" and c.message.tool_calls is None
+    assert srv.gw.engine.counters["batched_steps"] > steps0
