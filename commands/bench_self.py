@@ -47,7 +47,8 @@ def spec_bench(
     spec_fixed: bool = typer.Option(False, "--spec-fixed", help="Draft --num-draft-tokens every step (no adaptation or pauses), as serve --spec-fixed."),
     batches: str = typer.Option("1,8", "--batches"),
     regimes: str = typer.Option("repetitive,random", "--regimes", help="Prompt regimes: repetitive, random, looping (the prompt ends in the model's own greedy output, where random-weight models loop), replay (the mechanism at a chosen acceptance: drafts are the row's own greedy continuation, each token wrong with probability --replay-miss)."),
-    replay_miss: float = typer.Option(0.1, "--replay-miss", min=0.0, max=1.0, help="The replay regime's chance that a draft token is wrong."),
+    replay_miss: str = typer.Option("0.1", "--replay-miss", help="The replay regime's chance that a draft token is wrong (with --fixed-k: a comma-separated list)."),
+    fixed_k: Optional[str] = typer.Option(None, "--fixed-k", help="Sweep: the controller against these fixed draft lengths (e.g. 2,4,8) at each --replay-miss, replay proposer, one process."),
     context: int = typer.Option(512, "--context", min=8, help="Prompt tokens per row."),
     gen: int = typer.Option(64, "--gen", min=2),
     repeats: int = typer.Option(2, "--repeats", min=1),
@@ -61,6 +62,17 @@ def spec_bench(
     from mlxb.models import load_model
 
     bs = _ints(batches, "--batches", "1,8")
+    try:
+        misses = tuple(float(x) for x in replay_miss.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{replay_miss!r}: give numbers in [0, 1], e.g. 0,0.1,0.3", param_hint="--replay-miss") from None
+    if not misses or not all(0.0 <= x <= 1.0 for x in misses):
+        raise typer.BadParameter(f"{replay_miss!r}: each value must be in [0, 1]", param_hint="--replay-miss")
+    if len(misses) > 1 and not fixed_k:
+        raise typer.BadParameter("several values go with --fixed-k (the sweep)", param_hint="--replay-miss")
+    if fixed_k:
+        return _spec_sweep(model, dtype, spec, draft_model, num_draft_tokens, lookup_ngram, spec_max_batch,
+                           spec_pipeline, _ints(fixed_k, "--fixed-k", "2,4,8"), misses, bs, context, gen, repeats, out)
     bad = [g for g in regimes.split(",") if g not in ALL_REGIMES]
     if bad:
         raise typer.BadParameter(f"{bad[0]!r}: choose from {', '.join(ALL_REGIMES)}", param_hint="--regimes")
@@ -73,7 +85,7 @@ def spec_bench(
         use_skinny_matmul(m, cfg)
     with status("benchmarking ...") as st:
         res = run(m, tok, spec=cfg, batches=bs, regimes=tuple(regimes.split(",")), context=context, gen=gen,
-                  repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"), replay_miss=replay_miss)
+                  repeats=repeats, progress=lambda s: st.update(f"benchmarking: {s}"), replay_miss=misses[0])
     res["config"]["skinny_matmul"] = skinny_matmul
     res["config"]["fuse_projections"] = fuse_projections
     what = (f"draft {cfg.draft_name}" if cfg.method == "draft" else "lookup") + (" --spec-fixed" if spec_fixed else "")
@@ -90,6 +102,32 @@ def spec_bench(
                   f"{r['ratio_median']:.3f}", f"{r['ratio_max']:.3f}", acc, f"{r['pipelined_kept']}/{r['pipelined_dropped']}")
     console.print(t)
     _write(res, "spec", mspec, out)
+
+
+def _spec_sweep(model, dtype, spec, draft_model, k, ngram, max_batch, pipeline, fixed, misses, bs, context, gen,
+                repeats, out) -> None:
+    from mlxb.bench.spec_sweep import sweep
+    from mlxb.engine.build import build_spec
+    from mlxb.models import load_model
+
+    m, tok, mspec, _ = load_model(model, dtype)
+    cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, k, ngram, draft_model, dtype,
+                     max_batch, adaptive=True, pipeline=pipeline)
+    with status("sweeping ...") as st:
+        res = sweep(m, tok, spec=cfg, fixed=tuple(fixed), misses=misses, batches=bs, context=context, gen=gen,
+                    repeats=repeats, progress=lambda s: st.update(f"sweeping: {s}"))
+    arms = ["auto", *[f"fixed{x}" for x in fixed]]
+    t = Table(title=f"decode tok/s over plain, replay proposer (draft tokens wrong with probability P), "
+                    f"controller up to K={k} vs fixed K — {mspec.name}, {context}-token prompts, {repeats} repeats")
+    for c in ("B", "P", *arms, "best fixed", "auto / max(best, 1)"):
+        t.add_column(c)
+    for r in res["summary"]:
+        cell = lambda a: (f"{r['arms'][a]['ratio_median']:.3f} ({r['arms'][a]['ratio_min']:.2f}-"  # noqa: E731
+                          f"{r['arms'][a]['ratio_max']:.2f})") if a in r["arms"] else "-"
+        t.add_row(str(r["B"]), f"{r['miss']:g}", *[cell(a) for a in arms], r["best_fixed"] or "-",
+                  "-" if r["auto_vs_best"] is None else f"{r['auto_vs_best']:.3f}")
+    console.print(t)
+    _write(res, "spec-sweep", mspec, out)
 
 
 @cli_errors

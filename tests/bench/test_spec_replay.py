@@ -37,3 +37,31 @@ def test_replay_regime_acceptance_follows_the_miss_rate(tiny_models):
         assert s["regime"] == "replay" and s["drafted"] > 0 and res["config"]["replay_miss"] == miss
         acc[miss] = s["acceptance"]
     assert acc[0.0] > 0.9 and acc[1.0] == 0.0
+
+
+def test_sweep_summary_names_the_best_fixed_k_and_floors_it_at_plain():
+    from mlxb.bench.spec_sweep import summarize
+
+    def row(arm, ratio, miss=0.1, drafted=10, accepted=5):
+        return {"B": 8, "repeat": 0, "miss": miss, "arm": arm, "ratio": ratio, "drafted": drafted, "accepted": accepted}
+
+    rows = [row("auto", 1.2), row("fixed2", 1.3), row("fixed4", 1.5), row("plain", None),
+            row("auto", 0.99, 1.0), row("fixed2", 0.6, 1.0), row("fixed4", 0.4, 1.0)]
+    hi, lo = sorted(summarize(rows), key=lambda r: r["miss"])
+    assert hi["best_fixed"] == "fixed4" and hi["auto_vs_best"] == pytest.approx(1.2 / 1.5)
+    assert hi["arms"]["auto"]["acceptance"] == 0.5
+    # every fixed K loses at P=1: the best choice is not to speculate, so the controller is held to plain
+    assert lo["best_fixed"] == "fixed2" and lo["auto_vs_best"] == pytest.approx(0.99)
+
+
+@pytest.mark.full
+def test_sweep_runs_every_arm_at_every_miss(tiny_models):
+    from mlxb.bench.spec_sweep import sweep
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    res = sweep(model, tok, spec=SpecConfig(num_draft_tokens=3, max_batch=4), fixed=(2,), misses=(0.0, 1.0),
+                batches=(2,), context=48, gen=12, repeats=1)
+    arms = {(r["miss"], r["arm"]) for r in res["rows"]}
+    assert arms == {(m, a) for m in (0.0, 1.0) for a in ("plain", "auto", "fixed2")}
+    fixed = {r["miss"]: r for r in res["rows"] if r["arm"] == "fixed2"}
+    assert fixed[0.0]["accepted"] == fixed[0.0]["drafted"] > 0 and fixed[1.0]["accepted"] == 0
