@@ -58,8 +58,10 @@ def spec_bench(
 ) -> None:
     """Speculative decoding vs plain decoding on our engine: decode tok/s ratios with the acceptance."""
     from mlxb.bench.spec import ALL_REGIMES, run
-    from mlxb.engine.build import build_spec, use_fused_projections, use_skinny_matmul
+    from mlxb.engine.build import build_spec, choose_attention_kernels, use_fused_projections, use_skinny_matmul
     from mlxb.models import load_model
+
+    choose_attention_kernels(None)  # as serve: on CUDA, no cuDNN graph built per verify shape (0.1-1 s each)
 
     bs = _ints(batches, "--batches", "1,8")
     try:
@@ -107,8 +109,10 @@ def spec_bench(
 def _spec_sweep(model, dtype, spec, draft_model, k, ngram, max_batch, pipeline, fixed, misses, bs, context, gen,
                 repeats, out) -> None:
     from mlxb.bench.spec_sweep import sweep
-    from mlxb.engine.build import build_spec
+    from mlxb.engine.build import build_spec, choose_attention_kernels
     from mlxb.models import load_model
+
+    choose_attention_kernels(None)  # as serve (see spec_bench)
 
     m, tok, mspec, _ = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, k, ngram, draft_model, dtype,
