@@ -43,7 +43,7 @@ def load(
     ttft_threshold: float = typer.Option(2.0, "--ttft-threshold", help="Saturation knee: highest load with p95 TTFT under this (s)."),
     api_key: Optional[str] = typer.Option(None, "--api-key"),
     api: str = typer.Option("chat", "--api", help="Endpoint for chat payloads: chat (/v1/chat/completions), responses (/v1/responses) or messages (Anthropic's /v1/messages)."),
-    forced_tools: int = typer.Option(0, "--forced-tools", min=0, help="random: also run the load with every K-th request a forced tool call (tool_choice required), alternated with the plain load; rows report the free rows' TPOT (p50_tpot_free)."),
+    forced_tools: int = typer.Option(0, "--forced-tools", min=0, help="random: every K-th request carries tools, run twice: tool_choice auto (no grammar), then required (a forced call, a grammar row); rows report the TPOT of the requests without tools (p50_tpot_free)."),
 ) -> None:
     """Load an OpenAI-compatible server over streaming SSE; optionally the same load on mlx_lm.server."""
     import asyncio
@@ -105,9 +105,9 @@ def load(
     if forced_tools:
         if dataset != "random":
             raise ValidationError("--forced-tools goes with --dataset random")
-        cells.append(Cell(f"{cell.name}-forced{forced_tools}", "random", dict(cell.lengths),
-                          params={"forced_every": forced_tools}, concurrency=levels, output_len=output_len,
-                          requests=requests))
+        cells = [Cell(f"{cell.name}-{name}{forced_tools}", "random", dict(cell.lengths),
+                      params={"forced_every": forced_tools, "forced_choice": choice}, concurrency=levels,
+                      output_len=output_len, requests=requests) for name, choice in (("tools", "auto"), ("forced", "required"))]
     if dataset == "agent-loop":
         cell.requests, cell.requests_per_slot = None, turns  # every agent runs its whole loop
     if api != "chat":

@@ -405,12 +405,12 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     timeout ${LIMIT:-300} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-32} --prompt-len ${PROMPT:-6000} \
       --gen ${GEN:-64} --repeats ${REPEATS:-1} --prefill-len 2048 --out "$OUT/engine-6k-$m.json" 2>&1 | grep -v Warning | tail -${TAIL:-16} ;;
-  forcedtools)  # issue 48: every 2nd request a forced tool call, against the same load without; free rows' TPOT, 8 and 32 clients
+  forcedtools)  # issue 48: every 2nd request carries tools, auto (control) then forced; TPOT of the rows without tools, 8 and 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     mkdir -p /tmp/bench && cd /tmp/bench
     timeout ${LIMIT:-300} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --batch 32 --dataset random --forced-tools ${EVERY:-2} \
-      --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-64} --input-len 256 --output-len ${GEN:-128} --repeats ${REPEATS:-3} \
+      --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-48} --input-len 256 --output-len ${GEN:-96} --repeats ${REPEATS:-3} \
       2>&1 | grep -v Warning | tail -${TAIL:-24}
     tar czf "$OUT/forcedtools-results.tgz" reports/results ;;
   specsweep)  # issue 50: the controller against fixed K at chosen acceptances (replay proposer), B=1,8,32, one process

@@ -30,14 +30,16 @@ def _random_text(tokenizer, rng: random.Random, n_tokens: int, vocab: int) -> st
     return tokenizer.decode(ids)
 
 def random_dataset(tokenizer, n: int, input_len: int, output_len: int, vocab: int, seed: int = 0,
-                   extra: Optional[dict] = None, forced_every: int = 0) -> Dataset:
-    """Random prompts; ``forced_every`` k > 0: every k-th request is a forced tool call (``FORCED_TOOL``),
-    so the batch always holds constrained rows beside free ones."""
+                   extra: Optional[dict] = None, forced_every: int = 0, tool_choice: str = "required") -> Dataset:
+    """Random prompts; ``forced_every`` k > 0: every k-th request carries the agent tools with ``tool_choice``
+    (``required``: a forced call, a grammar row beside free ones; ``auto``: the same prompts unconstrained,
+    the control that isolates what the grammar rows cost their neighbours)."""
+    tools = dict(FORCED_TOOL, tool_choice=tool_choice)
     rng = random.Random(seed)
     return Dataset("random", [
         {"messages": [{"role": "user", "content": _random_text(tokenizer, rng, input_len, vocab)}],
          "max_tokens": output_len, **(extra or {}),
-         **(FORCED_TOOL if forced_every and i % forced_every == forced_every - 1 else {})} for i in range(n)])
+         **(tools if forced_every and i % forced_every == forced_every - 1 else {})} for i in range(n)])
 
 def shared_prefix_dataset(tokenizer, groups: int, prompts_per_group: int, system_len: int, question_len: int,
                           output_len: int, vocab: int, seed: int = 0, extra: Optional[dict] = None) -> Dataset:

@@ -40,8 +40,10 @@ def _dataset(cell: Cell, tokenizer, n: int, vocab: int, scale: float, seed: int)
           for k, v in cell.lengths.items()}
     extra = dict(cell.params)
     forced_every = int(extra.pop("forced_every", 0) or 0)
+    choice = extra.pop("forced_choice", "required")
     if cell.dataset == "random":
-        return L.random_dataset(tokenizer, n, ln["input_len"], cell.output_len, vocab, seed, extra, forced_every)
+        return L.random_dataset(tokenizer, n, ln["input_len"], cell.output_len, vocab, seed, extra, forced_every,
+                                choice)
     if cell.dataset == "shared-prefix":
         groups = ln.get("groups", 1)
         return L.shared_prefix_dataset(tokenizer, groups, max(1, -(-n // groups)), ln["system_len"],

@@ -45,6 +45,7 @@ class RequestResult:
     text: str = ""  # the reply (multi-turn conversations send it back); not stored in results
     turn: Optional[int] = None  # multi-turn datasets: 0 for a conversation's first request, then 1, 2, ...
     constrained: bool = False  # the request asked for a forced tool call or a response format (a grammar row)
+    tools: bool = False  # the request declared tools
 
     @property
     def tpot(self) -> Optional[float]:
@@ -95,7 +96,8 @@ def summarize(results: list[RequestResult]) -> dict:
     s.update(_pcts([r.ttft for r in ok], "ttft"))
     s.update(_pcts([r.tpot for r in ok], "tpot"))
     s["constrained"] = sum(r.constrained for r in ok)
-    s.update(_pcts([r.tpot for r in ok if not r.constrained], "tpot_free"))  # rows beside grammar rows
+    # rows with neither tools nor a grammar: beside grammar rows, or beside the same prompts unconstrained
+    s.update(_pcts([r.tpot for r in ok if not r.constrained and not r.tools], "tpot_free"))
     s.update(_pcts([x for r in ok for x in r.itls], "itl"))
     s.update(_pcts([r.e2el for r in ok], "e2el"))
     if any(r.turn is not None for r in results):  # conversations: what a returning agent waits for
@@ -116,6 +118,7 @@ async def stream_request(client: httpx.AsyncClient, base_url: str, payload: dict
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     res = RequestResult(index, clock())
     res.constrained = payload.get("tool_choice") not in (None, "auto", "none") or bool(payload.get("response_format"))
+    res.tools = bool(payload.get("tools"))
     last = None
     counted = 0
     try:

@@ -237,3 +237,24 @@ def test_first_wave_and_warm_rows_get_their_own_verdicts():
     by = {r["wave"]: r for r in ab}
     assert set(by) == {"first", "warm"} and by["first"]["tps_ratio"] == 10.0 and 1.1 < by["warm"]["tps_ratio"] < 1.12
     assert [h["cell"] for h in headline(ab)] == ["c (first wave)", "c (warm wave)"]
+
+
+def test_forced_tool_rows_and_their_control_mark_the_same_positions():
+    """bench load --forced-tools K: every K-th request carries the tools, forced or auto (the control); the
+    free rows' TPOT covers only requests without tools, in both runs."""
+    from mlxb.bench import load as L
+    from mlxb.models import load_model
+
+    tok = load_model("tiny-llama", lazy=True)[1]
+    forced = L.random_dataset(tok, 6, 16, 8, 1000, seed=1, forced_every=2)
+    auto = L.random_dataset(tok, 6, 16, 8, 1000, seed=1, forced_every=2, tool_choice="auto")
+    assert [p.get("tool_choice") for p in forced.payloads] == [None, "required"] * 3
+    assert [p.get("tool_choice") for p in auto.payloads] == [None, "auto"] * 3
+    assert [p["messages"] for p in forced.payloads] == [p["messages"] for p in auto.payloads]
+    rs = []
+    for i, (tpot, tools, constrained) in enumerate([(0.01, False, False), (0.05, True, True), (0.03, True, False)]):
+        r = L.RequestResult(i, 0.0, ok=True, ttft=0.1, e2el=0.1 + tpot * 9, completion_tokens=10, end=1.0)
+        r.tools, r.constrained = tools, constrained
+        rs.append(r)
+    s = L.summarize(rs)
+    assert s["constrained"] == 1 and s["p50_tpot_free"] == pytest.approx(0.01)
