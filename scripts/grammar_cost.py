@@ -32,6 +32,9 @@ def q(xs, p):
     return float(np.percentile(xs, p)) if xs else None
 
 
+GRAMMAR = {"g": None}  # the grammar text every constrained row runs (--grammar)
+
+
 def run(model, tok, grammars, B, steps, constrained, every=1):
     spent = [0.0]
     orig_apply = Constraint.apply
@@ -56,7 +59,7 @@ def run(model, tok, grammars, B, steps, constrained, every=1):
         for i in range(B):
             r = Request(f"g{i}", rng.integers(5, 1000, size=64).tolist(), steps + 16, ignore_eos=True)
             if constrained and i % every == 0:
-                r.constraint = grammars.constraint(grammars.from_regex(REGEX, "r"), "regex")
+                r.constraint = grammars.constraint(GRAMMAR["g"], "regex")
             eng.accept(r, OutputStream(r.request_id))
         while len(eng.runner.rows) < B:
             eng.iterate()
@@ -85,10 +88,20 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--every", type=int, default=1, help="Constrain every Nth row (2: a mixed batch).")
+    ap.add_argument("--grammar", default="regex", help="regex (the pattern above) or tool (a forced call of the "
+                    "agent tools in the model's tool format, as bench load --forced-tools sends)")
     ap.add_argument("--out")
     a = ap.parse_args()
     model, tok, _, _ = load_model(a.model)
     grammars = Grammars(tok, _vocab_size(model, tok), sorted(tok.eos_token_ids))
+    if a.grammar == "tool":
+        from mlxb.bench.datasets import AGENT_TOOLS
+        from mlxb.constrain.tools import ToolFormat
+
+        fmt = ToolFormat.of(tok)
+        GRAMMAR["g"] = grammars.tool_calls(AGENT_TOOLS, fmt if fmt.forcible else ToolFormat.json_tools(), None, False, "t")
+    else:
+        GRAMMAR["g"] = grammars.from_regex(REGEX, "r")
     run(model, tok, grammars, 2, 8, True)  # first-use compiles of both paths
     run(model, tok, grammars, 2, 8, False)
     rows = []

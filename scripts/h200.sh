@@ -419,4 +419,9 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     timeout ${LIMIT:-420} python3 -m mlxb.commands.main bench spec -m /var/tmp/$m --fixed-k ${FIXED:-2,4,8} \
       --replay-miss ${MISSES:-0,0.1,0.3,0.6,1.0} --batches ${BATCHES:-1,8,32} --spec-max-batch 64 --num-draft-tokens ${K:-8} \
       --context 512 --gen ${GEN:-64} --repeats ${REPEATS:-3} --out "$OUT/spec-sweep.json" 2>&1 | grep -v Warning | tail -${TAIL:-40} ;;
+  toolmask)  # issue 48: the engine step with every 2nd row forced to call a tool against all rows free, in process
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout ${LIMIT:-150} python3 scripts/grammar_cost.py /var/tmp/$m --batches ${BATCHES:-8,32} --steps 32 \
+      --every 2 --grammar tool --out "$OUT/toolmask.json" 2>&1 | grep -v Warning ;;
 esac
