@@ -5,6 +5,7 @@
 # then on the H200, one command each, while the machine stays warm:
 #   carry .whl/a:  bash .whl/a/stash.sh
 #   carry .whl/c:  bash .whl/c/stash.sh
+#   carry .whl/d:  bash .whl/d/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
 # Targets that start `mlxb serve` (bench load) need the server's wheels, which the device lacks; name them to
 # prepare.sh as extras (stop 39 also carried fastapi and pydantic, which mlxb does not import; with them .whl/b
@@ -18,20 +19,27 @@ cd "$(git rev-parse --show-toplevel)/.whl"
 cat a/mlx_cuda.part.0 b/mlx_cuda.part.1 > /tmp/mlx_cuda_whole.whl
 echo "$(cat b/mlx_cuda.sha256)  /tmp/mlx_cuda_whole.whl" | sha256sum -c --quiet -
 rm a/mlx_cuda.part.0 b/mlx_cuda.part.1
+# four parts since stop 52 (the tracked tree grew past what .whl/b's 30 MB part left room for): a, c, d are
+# stashed on the device one call each, b (the smallest part, plus the extra wheels) installs
 split -b 30000000 -d -a 1 /tmp/mlx_cuda_whole.whl /tmp/mlx_cuda_part.
-mkdir -p c
+split -b 15000000 -d -a 1 /tmp/mlx_cuda_part.2 /tmp/mlx_cuda_tail.
+mkdir -p c d
 mv /tmp/mlx_cuda_part.0 a/mlx_cuda.part.0
 mv /tmp/mlx_cuda_part.1 c/mlx_cuda.part.1
-mv /tmp/mlx_cuda_part.2 b/mlx_cuda.part.2
-rm /tmp/mlx_cuda_whole.whl
-cat > c/stash.sh <<'EOS'
+mv /tmp/mlx_cuda_tail.0 b/mlx_cuda.part.2
+mv /tmp/mlx_cuda_tail.1 d/mlx_cuda.part.3
+rm /tmp/mlx_cuda_whole.whl /tmp/mlx_cuda_part.2
+for n in c:1 d:3; do
+  dir=${n%%:*}; k=${n##*:}
+  cat > $dir/stash.sh <<EOS
 #!/usr/bin/env bash
 set -eu
 mkdir -p /var/tmp/mlxb-stash
-cp .whl/c/mlx_cuda.part.1 /var/tmp/mlxb-stash/
-echo "stashed part 1; now the install command (carry .whl/b)"
+cp .whl/$dir/mlx_cuda.part.$k /var/tmp/mlxb-stash/
+echo "stashed part $k; next: the other stash commands, then the install command (carry .whl/b)"
 EOS
-chmod +x c/stash.sh
-sed -i 's|cat "$p0" .whl/b/mlx_cuda.part.1 > "$w"|cat "$p0" /var/tmp/mlxb-stash/mlx_cuda.part.1 .whl/b/mlx_cuda.part.2 > "$w"|' b/install.sh
-grep -q 'mlx_cuda.part.2' b/install.sh || { echo "install.sh was not rewritten"; exit 3; }
-du -sh a b c
+  chmod +x $dir/stash.sh
+done
+sed -i 's|cat "$p0" .whl/b/mlx_cuda.part.1 > "$w"|cat "$p0" /var/tmp/mlxb-stash/mlx_cuda.part.1 .whl/b/mlx_cuda.part.2 /var/tmp/mlxb-stash/mlx_cuda.part.3 > "$w"|' b/install.sh
+grep -q 'mlx_cuda.part.3' b/install.sh || { echo "install.sh was not rewritten"; exit 3; }
+du -sh a b c d
