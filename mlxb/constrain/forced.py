@@ -194,26 +194,22 @@ def _pythonic(g, name, params, i):
     return f"{g.lit(name + '(')} {args} {g.lit(')')}"
 
 
-def _gemma4(g, name, params, i):
-    q = '<|"|>'
+def _gemma_call(quote: str):
+    """Gemma's ``call:name{key:value,...}``: string values between ``quote`` tags (``<|"|>`` in Gemma 4,
+    ``<escape>`` in FunctionGemma), every other value as JSON."""
+    def write(g, name, params, i):
+        def value(k, p):
+            v = f"{g.lit(quote)} {g.raw_string(p)} {g.lit(quote)}" if _is_string(p) else g.json(p)
+            return g.new(f"{g.lit(k + ':')} {v}", "k")
 
-    def value(k, p):
-        v = f"{g.lit(q)} {g.raw_string(p)} {g.lit(q)}" if _is_string(p) else g.json(p)
-        return g.new(f"{g.lit(k + ':')} {v}", "k")
+        return f"{g.lit('call:' + name + '{')} {_kw_args(g, params, value, ',')} {g.lit('}')}"
 
-    return f"{g.lit('call:' + name + '{')} {_kw_args(g, params, value, ',')} {g.lit('}')}"
-
-
-def _function_gemma(g, name, params, i):
-    def value(k, p):
-        v = f"{g.lit('<escape>')} {g.raw_string(p)} {g.lit('<escape>')}" if _is_string(p) else g.json(p)
-        return g.new(f"{g.lit(k + ':')} {v}", "k")
-
-    return f"{g.lit('call:' + name + '{')} {_kw_args(g, params, value, ',')} {g.lit('}')}"
+    return write
 
 
-# name -> (layout, one call's writer, separator between calls, section open, section close)
-# "each": start + call + end per call, separated by sep; "section": open + calls joined by sep + close.
+# name -> (layout, one call's writer, separator between calls)
+# "each": start tag + call + end tag per call, calls separated by sep; "section": start tag + calls joined by
+# sep + end tag.
 WRITERS: dict[str, tuple] = {
     "json_tools": (EACH, _json_tools, "\n"),
     "qwen3_coder": (EACH, _qwen3_coder, "\n"),
@@ -221,8 +217,8 @@ WRITERS: dict[str, tuple] = {
     "laguna": (EACH, _glm47, "\n"),
     "longcat": (EACH, _longcat, "\n"),
     "minicpm5": (EACH, _minicpm5, ""),
-    "function_gemma": (EACH, _function_gemma, ""),
-    "gemma4": (EACH, _gemma4, ""),
+    "function_gemma": (EACH, _gemma_call("<escape>"), ""),
+    "gemma4": (EACH, _gemma_call('<|"|>'), ""),
     "minimax_m2": (SECTION, _minimax, ""),
     "muse_spark": (SECTION, _muse_spark, ""),
     "kimi_k2": (SECTION, _kimi_k2, ""),

@@ -239,7 +239,7 @@ def constraint_grammar(grammars, *, response_format: Any = None, structured: Any
     mode, name = choice
     if mode == "required":
         if fmt is None or not fmt.forcible:
-            fmt = ToolFormat.json_tools()
+            _bad(f"no forced-call grammar for the {fmt.name if fmt else 'unknown'} tool format", "tool_choice")
         asks.append(("tool_call", lambda: grammars.tool_calls(tools, fmt, name, parallel, "tool_choice")))
     if not asks:
         return None

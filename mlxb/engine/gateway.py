@@ -224,8 +224,7 @@ class Gateway:
                       ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot,
                       snapshot_at=self.system_mark(inp, ids, chat))
         req.reply_ids = [] if remember else None
-        req.constraint = self.constraint(inp)
-        req.tool_format = self.row_tool_format(inp)
+        req.constraint, req.tool_format = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)
         return req
@@ -245,19 +244,22 @@ class Gateway:
                                      "(start the server with --adapters NAME=PATH)", param="model")
         return self.adapters.index(name)
 
-    def constraint(self, inp: GenerationInput):
-        """The row's grammar matcher (``mlxb.constrain.grammar.Constraint``) or None; a bad format is a 400."""
+    def constraint(self, inp: GenerationInput) -> tuple:
+        """(the row's grammar matcher (``mlxb.constrain.grammar.Constraint``) or None, the format its tool
+        calls are parsed in or None); a bad format is a 400. A forced call is written, and read, in the
+        model's format where mlxb has a grammar writer for it, else as JSON in <tool_call> tags."""
         tools = validate_tools(inp.tools)
         choice = tool_choice_mode(inp.tool_choice, tools)
+        fmt = None
+        if tools and inp.tool_choice != "none" and inp.messages is not None:
+            forced = choice[0] == "required" and not self.tool_format.forcible
+            fmt = self.json_tools if forced else (self.tool_format if self.tool_format.on else None)
         if inp.response_format is None and inp.structured_outputs is None and choice[0] != "required":
-            return None
+            return None, fmt
         made = constraint_grammar(self.grammars, response_format=inp.response_format,
                                   structured=inp.structured_outputs, tools=tools, choice=choice,
-                                  fmt=self.tool_format, parallel=inp.parallel_tool_calls is not False)
-        if made is None:
-            return None
-        grammar, kind = made
-        return self.grammars.constraint(grammar, kind)
+                                  fmt=fmt or self.json_tools, parallel=inp.parallel_tool_calls is not False)
+        return (None if made is None else self.grammars.constraint(*made)), fmt
 
     def tool_summary(self) -> str:
         """One line for the start-up banner: how tools reach the model and how its calls are read."""
@@ -279,16 +281,6 @@ class Gateway:
         return {"tool_parser": self.tool_format.name if self.tool_format.on else None,
                 "forced_tool_calls": self.tool_format.writer if self.tool_format.forcible else "json_tools",
                 **self.template_tools.card()}
-
-    def row_tool_format(self, inp: GenerationInput) -> Optional[ToolFormat]:
-        """The format a row's tool calls are parsed in: the model's, or the JSON-in-tags form a forced
-        call falls back to on a format without a grammar writer; None without tools or with 'none'."""
-        tools = validate_tools(inp.tools)
-        if not tools or inp.tool_choice == "none" or inp.messages is None:
-            return None
-        if tool_choice_mode(inp.tool_choice, tools)[0] == "required" and not self.tool_format.forcible:
-            return self.json_tools
-        return self.tool_format if self.tool_format.on else None
 
     def place(self, req: Request) -> str:
         # NOTE: placement reads capability only; sampling features never force the serial path.
