@@ -106,11 +106,12 @@ PLAIN = ("{%- for message in messages %}"
 
 
 def folder_with_template(base: Path, out: Path, template: str, extra: dict | None = None) -> Path:
-    """A copy of model folder ``base`` (weights linked, not copied) whose chat template is ``template``."""
+    """A copy of model folder ``base`` (weights linked, not copied) whose chat template is ``template`` (a
+    template file of the base folder, which would win over tokenizer_config.json, is left out)."""
     out.mkdir(parents=True, exist_ok=True)
     for f in base.iterdir():
         dst = out / f.name
-        if f.name == "tokenizer_config.json" or dst.exists():
+        if f.name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json") or dst.exists():
             continue
         if f.suffix == ".safetensors":
             os.symlink(f.resolve(), dst)

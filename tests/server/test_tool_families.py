@@ -179,3 +179,48 @@ def test_mixed_rows_on_a_template_without_tools_share_steps_and_are_all_valid(pl
         else:
             assert c.finish_reason == "length" and c.message.tool_calls is None
     assert srv.gw.engine.counters["batched_steps"] > steps0
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("template", ["own", "plain"])
+def test_forced_calls_compose_with_a_quantized_folder_kv8_speculation_and_the_prompt_cache(tmp_path, template):
+    """A folder mlx-lm's own converter quantized (with the chat_template.jinja it writes), KV8, prompt-lookup
+    speculation and the prompt cache on: forced-call, schema and free rows batched over two rounds."""
+    import concurrent.futures as cf
+
+    from mlx_lm import convert
+
+    from tests.tool_templates import PLAIN, folder_with_template
+
+    q = tmp_path / "q"
+    convert(str(load_model("tiny-llama", lazy=True)[3]), mlx_path=str(q), quantize=True)
+    folder = q if template == "own" else folder_with_template(q, tmp_path / "plain", PLAIN)
+    person = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["age"], "additionalProperties": False}
+    srv = LiveServer(model=str(folder), batch=4, warmup=False, kv_bits=8, kv_group_size=32, spec="lookup",
+                     spec_max_batch=4)
+    oai = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def one(i):
+        kw = dict(model=MODEL, max_tokens=80, seed=i, messages=[{"role": "system", "content": "shared prompt " * 20},
+                                                              {"role": "user", "content": f"task {i % 2}"}])
+        if i % 3 == 0:
+            kw.update(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+        elif i % 3 == 1:
+            kw.update(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}})
+        return i, oai.chat.completions.create(**kw).choices[0]
+
+    try:
+        assert srv.gw.tool_card()["tool_prompt"] == ("template" if template == "own" else "addendum")
+        assert srv.gw.engine.kv_scheme is not None and srv.gw.engine.spec_stats()["active"]
+        for _ in range(2):
+            with cf.ThreadPoolExecutor(6) as ex:
+                for i, c in ex.map(one, range(6)):
+                    if i % 3 == 0:
+                        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+                        _valid(c.message.tool_calls[0])
+                    elif i % 3 == 1:
+                        jsonschema.validate(json.loads(c.message.content), person)
+        assert srv.gw.engine.counters["batched_steps"] > 0
+    finally:
+        srv.stop()
