@@ -117,7 +117,7 @@ def main():
         print(json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"model": a.model, "regex": REGEX, "rows": rows}, f, indent=1)
+            json.dump({"model": a.model, "grammar": a.grammar, "every": a.every, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ class ReplayProposer:
     flipped) gets no drafts."""
 
     KEY = 16
-    shadows = False  # no free check on plain steps (that is prompt lookup's)
+    # It stands in for prompt lookup (the proposer ``--spec lookup`` serves), host-side like it, so it gets
+    # lookup's free check on plain steps too (``mlxb.spec.control.shadow``): a draft model has none.
+    shadows = True
 
     def __init__(self, refs: list[list[int]], miss: float, vocab: int, seed: int = 0):
         rng = np.random.default_rng(seed)

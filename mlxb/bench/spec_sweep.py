@@ -55,7 +55,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                     for i, arm in enumerate(order):
                         say(f"B={b} repeat {rep} miss {miss} {arm}")
                         e = engines[arm]
-                        before = dict(e.runner.spec_counts)
+                        before, tm0 = dict(e.runner.spec_counts), dict(e.runner.timing)
                         e.runner.step_cost.trace.clear()
                         real = e.runner.proposer
                         if arm != "plain":
@@ -69,6 +69,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                         row = {"B": b, "repeat": rep, "miss": miss, "arm": arm, "tok_s": tps,
                                "drafted": c["drafted"] - before.get("drafted", 0),
                                "accepted": c["accepted"] - before.get("accepted", 0)}
+                        row.update(plain_step_ms(tm0, e.runner.timing))
                         if arm == "auto":
                             row.update(steps_by_decision(e.runner.step_cost.trace, b))
                             row["cost_ratio"] = e.runner.step_cost.ratio_at(b)
@@ -85,6 +86,16 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                        "misses": list(misses), "batches": list(batches), "context": context, "gen": gen,
                        "repeats": repeats, "pipeline": spec.pipeline, "regime": "replay"},
             "rows": rows, "summary": summarize(rows)}
+
+
+def plain_step_ms(before: dict, after: dict) -> dict:
+    """Where an arm's plain (pipelined) steps went, per step: building the forward, launching it, waiting for
+    the step before it, emitting (the runner's host timings; a verify step is not in them)."""
+    steps = after.get("steps", 0) - before.get("steps", 0)
+    if not steps:
+        return {}
+    return {f"plain_{k[:-2]}_ms": 1000 * (after.get(k, 0.0) - before.get(k, 0.0)) / steps
+            for k in ("build_s", "launch_s", "wait_s", "emit_s")}
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -96,6 +96,22 @@ def cuda_graph_env() -> str:
     return graph_check_env(os.environ)
 
 
+def spec_method(spec: Optional[str], draft_model: Optional[str]) -> Optional[str]:
+    """``--spec``: None (the default) is prompt lookup on the batch lane (a draft model's ``draft`` when one
+    is given); ``off`` turns speculation off. Lookup costs no device memory and its adaptive controller keeps
+    a batch plain where drafts would not pay (docs/speculation.md)."""
+    from mlxb.errors import ValidationError
+
+    if spec == "off":
+        if draft_model is not None:
+            raise ValidationError("--draft-model drafts for speculation, which --spec off turns off: give one of them",
+                                  param="spec")
+        return None
+    if spec is None:
+        return "draft" if draft_model is not None else "lookup"
+    return spec
+
+
 def build_spec(model, tok, method: str, num_draft_tokens: int, lookup_ngram: int, draft_model: Optional[str],
                dtype: Optional[str], max_batch: int = 1, adaptive: bool = True, pipeline: str = "off"):
     """--spec / --draft-model as a SpecConfig; a draft model is loaded and checked against the target."""
@@ -124,7 +140,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   cudnn_attention: Optional[bool] = None, kv_bits: Optional[int] = None, kv_group_size: int = 64,
                   quantized_kv_start: int = 0, kv_config: Optional[str] = None, spec: Optional[str] = None,
                   num_draft_tokens: int = 4, lookup_ngram: int = 3, draft_model: Optional[str] = None,
-                  spec_max_batch: int = 1, spec_fixed: bool = False, spec_pipeline: str = "off", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
+                  spec_max_batch: Optional[int] = None, spec_fixed: bool = False, spec_pipeline: str = "off", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
                   fuse_projections: bool = False, tool_prompt: bool = True, **engine_kw) -> Gateway:
@@ -156,9 +172,10 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
         install(m, [read_adapter(n, p) for n, p in adapters.items()], max_lora_rank, lora_path=lora_path)
     if fuse_projections:
         use_fused_projections(m, adapters=bool(adapters), tp=link is not None, compiled=compile_decode or compile_batch)
-    if (spec is not None or draft_model is not None) and (link is None or link.rank == 0):  # proposers: rank 0
-        engine_kw["spec"] = build_spec(m, tok, spec or "draft", num_draft_tokens, lookup_ngram, draft_model, dtype,
-                                       spec_max_batch, adaptive=not spec_fixed, pipeline=spec_pipeline)
+    method = spec_method(spec, draft_model)
+    if method is not None and (link is None or link.rank == 0):  # proposers: rank 0
+        engine_kw["spec"] = build_spec(m, tok, method, num_draft_tokens, lookup_ngram, draft_model, dtype,
+                                       spec_max_batch or batch, adaptive=not spec_fixed, pipeline=spec_pipeline)
     if skinny_matmul:  # after the adapters (their base products take it too) and the draft model
         use_skinny_matmul(m, engine_kw.get("spec"))
     if kv_config is not None:
