@@ -41,3 +41,25 @@ def test_concurrent_requests_speculate_and_report_usage(spec_server):
 def test_bad_num_draft_tokens_is_a_400(spec_server, bad):
     r = httpx.post(spec_server.url + "/v1/completions", json={"prompt": "hi", "num_draft_tokens": bad}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "num_draft_tokens"
+
+
+def test_lookup_speculation_is_the_default_and_off_turns_it_off():
+    """With no --spec flag the batch lane speculates with prompt lookup over every batch size (the controller
+    decides per step); --spec off leaves the runner without a proposer; --spec off with a draft model is
+    refused with a message naming both flags."""
+    from mlxb.engine.build import build_gateway
+    from mlxb.errors import ValidationError
+
+    on = build_gateway("tiny-llama", batch=4, warmup=False, prompt_cache=False)
+    try:
+        st = on.engine.spec_stats()
+        assert st is not None and st["method"] == "lookup" and st["active"] and st["max_batch"] == 4
+    finally:
+        on.engine.shutdown()
+    off = build_gateway("tiny-llama", batch=4, warmup=False, prompt_cache=False, spec="off")
+    try:
+        assert off.engine.spec_stats() is None and off.engine.runner.proposer is None
+    finally:
+        off.engine.shutdown()
+    with pytest.raises(ValidationError, match="--spec off"):
+        build_gateway("tiny-llama", batch=4, warmup=False, prompt_cache=False, spec="off", draft_model="tiny-llama")
