@@ -16,6 +16,9 @@ from mlxb.commands.bench_stacks import _print_summary, _resolved_args, _run_seed
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
 
+PEERS = ("mlx-lm", "mlxb-spec-off")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
+
+
 @app.command("load")
 @cli_errors
 def load(
@@ -23,7 +26,7 @@ def load(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
-    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder (mlx-lm) and run the identical load, A/B alternated."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) or mlxb-spec-off (mlxb serve --spec off: speculation on against off)."),
     dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | agent-loop | FILE.jsonl"),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
     requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
@@ -53,11 +56,11 @@ def load(
     from mlxb.bench.store import labels, write_run
     from mlxb.errors import ValidationError
 
-    if peer and peer not in ("mlx-lm",):
-        raise ValidationError(f"--peer {peer!r}: the supported peer is mlx-lm")
+    if peer and peer not in PEERS:
+        raise ValidationError(f"--peer {peer!r}: the supported peers are {', '.join(PEERS)}")
     if api not in L.APIS:
         raise ValidationError(f"--api {api!r}: use one of {', '.join(L.APIS)}")
-    if peer and api != "chat":
+    if peer == "mlx-lm" and api != "chat":
         raise ValidationError(f"--api {api}: mlx_lm.server serves chat and completions only; drop --peer or use --api chat")
     try:
         levels = [int(c) for c in concurrency.split(",")]
@@ -126,7 +129,7 @@ def features(
     matrix: Path = typer.Option(Path("matrices/features.toml"), "--matrix", help="Feature matrix TOML."),
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, or mlxb-spec-off (speculation on against off)."),
     cells: Optional[list[str]] = typer.Option(None, "--cell", help="Only these cells (repeatable)."),
     scale: float = typer.Option(1.0, "--scale", help="Multiply the matrix's prompt lengths (e.g. 0.25 on a small CPU); recorded in every row."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),
@@ -137,8 +140,8 @@ def features(
     from mlxb.bench.matrix import parse
     from mlxb.errors import ValidationError
 
-    if peer and peer != "mlx-lm":
-        raise ValidationError(f"--peer {peer!r}: the supported peer is mlx-lm")
+    if peer and peer not in PEERS:
+        raise ValidationError(f"--peer {peer!r}: the supported peers are {', '.join(PEERS)}")
     m = parse(matrix)
     if repeats:
         m.repeats = repeats

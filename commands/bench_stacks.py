@@ -90,7 +90,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                     started.append(srv)
                     targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags), api=api))
                 if peer:
-                    shared = extra[:extra.index("--adapters")] if "--adapters" in extra else extra
+                    shared = extra[:extra.index("--adapters")] if "--adapters" in extra and peer == "mlx-lm" else extra
                     srv = servers.start(peer, str(path), batch=batch, extra=shared)
                     started.append(srv)
                     targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))

@@ -139,7 +139,7 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
                         summ_rows.append({**base, "status": "unsupported", "reason": unsupported[t.stack]})
                     else:
                         res = asyncio.run(L.run_load(t.base_url, t.model, ds, concurrency=conc, n_requests=n,
-                                                     ignore_eos=ignore_eos and t.stack == "mlxb", seed=seed, api=t.api))
+                                                     ignore_eos=ignore_eos and t.stack.startswith("mlxb"), seed=seed, api=t.api))
                         measured.add(t.stack)
                         s = L.summarize(res)
                         gates = gate_results(cell, res)

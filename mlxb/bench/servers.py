@@ -19,7 +19,7 @@ from typing import Optional
 
 import httpx
 
-STACKS = ("mlxb", "mlx-lm")
+STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off")  # the last: mlxb with --spec off (speculation on against off)
 
 
 def free_port() -> int:
@@ -69,12 +69,13 @@ def command(stack: str, model_path: str, port: int, batch: int, prefill_step: in
 
 def _base_command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int,
                   prompt_cache_dir: Optional[str]) -> list[str]:
-    if stack == "mlxb":
+    if stack in ("mlxb", "mlxb-spec-off"):
         # NOTE: a private SSD tier per start unless one is given: a benchmark never hits an earlier run's files
         return [sys.executable, "-m", "mlxb.commands.main", "serve", "--model", model_path, "--port", str(port),
                 "--batch", str(batch), "--prefill-step-size", str(prefill_step), "--max-tokens", str(max_tokens),
                 "--log-level", "warning", "--prompt-cache-dir",
-                prompt_cache_dir or tempfile.mkdtemp(prefix="mlxb-bench-prompt-cache-")]
+                prompt_cache_dir or tempfile.mkdtemp(prefix="mlxb-bench-prompt-cache-")] + (
+                    ["--spec", "off"] if stack == "mlxb-spec-off" else [])
     if stack == "mlx-lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(port),
                 "--decode-concurrency", str(batch), "--prefill-step-size", str(prefill_step),

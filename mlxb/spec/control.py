@@ -116,6 +116,7 @@ class StepCost:
     and that is part of its price (a verify step right after another pays no refill)."""
 
     PROBE = 128  # plain steps after which one verify step runs anyway: a stale high cost is measured again
+    SPAN = 8.0  # ... times the last measured cost (up to this): probes then cost at most ~1/PROBE of decoding
     REFILL = 2  # plain steps after a verify step (or an early read) that are not steady
 
     def __init__(self, n: int = 16):
@@ -163,9 +164,14 @@ class StepCost:
         self.refill = 0
 
     def stale_at(self, rows: int) -> bool:
-        """The last verify step at this size is ``PROBE`` plain steps old (its cost may have been a
-        first-shape compile): without a probe a high cost would keep the bar shut for good."""
-        return bool(self._at(rows)[1]) and self.since.get(self.bucket(rows), 0) >= self.PROBE
+        """The last verify step at this size is ``PROBE`` plain steps old times its measured cost (at most
+        ``SPAN``; its cost may have been a first-shape compile): without a probe a high cost would keep the bar
+        shut for good, and with a fixed period a machine where a verify step costs 5 plain steps (a 2-core CPU)
+        paid 4% of its decode time for probes (served tiny-llama, 8 clients)."""
+        if not self._at(rows)[1]:
+            return False
+        since = self.since.get(self.bucket(rows), 0)
+        return since >= self.PROBE and since >= self.PROBE * min(self.ratio_at(rows), self.SPAN)
 
     def ratio_at(self, rows: int, aligned: bool = False) -> float:
         """Verify over plain step time; ``aligned``: over an aligned batch's plain step."""
@@ -198,7 +204,8 @@ def gain(st: RowSpec) -> float:
     longest draft, not the current one: a row whose draft length fell after a rejection would otherwise
     be held under a bar it can only clear by speculating (measured on the H200: one rejection put k at 1,
     1 + alpha stayed under a cost of 2.1, and the row never drafted again)."""
-    return sum(st.alpha ** j for j in range(st.kmax + 1))
+    a = st.alpha
+    return float(st.kmax + 1) if a >= 1.0 else (1.0 - a ** (st.kmax + 1)) / (1.0 - a)  # the geometric sum
 
 
 def aligned(r) -> bool:

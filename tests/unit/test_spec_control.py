@@ -116,7 +116,7 @@ def test_a_high_verify_cost_is_measured_again_after_a_while():
         cost.observe(False, 0.005)
     r = NS(spec=SpecConfig(), rows=[NS(spec=RowSpec(4, 4, alpha=0.9))], step_cost=cost)
     assert cost.ratio > 33 - 1e-9 and not pays(r)
-    for _ in range(StepCost.PROBE - StepCost.REFILL - 2):
+    for _ in range(int(StepCost.PROBE * StepCost.SPAN) - StepCost.REFILL - 2):  # a probe waits PROBE x the cost (<= SPAN)
         cost.observe(False, 0.005)
     assert not pays(r)
     cost.observe(False, 0.005)
@@ -225,7 +225,7 @@ def test_an_aligned_batch_measures_a_stale_cost_again_on_evidence():
     r = NS(spec=SpecConfig(), rows=rows, step_cost=cost, merged=True, _geo_layer=0, caches=[NS(aligned=True, holes=None)],
            proposer=NS(shadows=True))
     assert not pays(r)
-    for _ in range(StepCost.PROBE - StepCost.REFILL - 1):
+    for _ in range(int(StepCost.PROBE * StepCost.SPAN) - StepCost.REFILL - 1):
         cost.observe(False, 0.008, rows=8, aligned=True)
     assert cost.stale_at(8) and pays(r)
     for row in rows:
@@ -300,3 +300,22 @@ def test_acceptance_is_estimated_per_tried_position():
             est.append(st.alpha)
         mean = float(np.mean(est[20:]))
         assert abs(mean - true) < 0.05, (true, n, mean)
+
+
+def test_a_probe_waits_longer_where_a_verify_step_costs_more():
+    """The period of stale-cost probes scales with the measured cost (PROBE plain steps per plain step a verify
+    step costs, up to SPAN): a verify step worth 1.5 plain steps (an H200) is measured again after 192 steps,
+    one worth 5 (a 2-core CPU) after 640, so probes stay near 1/PROBE of the decode time."""
+    from mlxb.spec.verify import StepCost
+
+    for ratio in (1.0, 1.5, 5.0, 20.0):
+        cost = StepCost()
+        cost.observe(True, 0.01 * ratio)
+        for _ in range(StepCost.REFILL + 1):
+            cost.observe(False, 0.01)
+        due = StepCost.PROBE * min(max(ratio, 1.0), StepCost.SPAN)
+        for _ in range(int(round(due)) - StepCost.REFILL - 2):
+            cost.observe(False, 0.01)
+        assert not cost.stale, ratio
+        cost.observe(False, 0.01)
+        assert cost.stale, ratio
