@@ -3,7 +3,8 @@
 # over the device tool's 64 MiB: re-split the MLX CUDA wheel into three ~30 MB parts after prepare.sh ran.
 #   bash ../shared/gpu/prepare.sh && bash scripts/gpu_three_carries.sh
 # then on the H200, one command each, while the machine stays warm:
-#   carry .whl/a:  bash .whl/a/stash.sh
+#   carry .whl/a:  bash .whl/a/stash.sh   (first: it copies; .whl/e appends to what it copied)
+#   carry .whl/e:  bash .whl/e/stash.sh
 #   carry .whl/c:  bash .whl/c/stash.sh
 #   carry .whl/d:  bash .whl/d/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
@@ -40,6 +41,16 @@ echo "stashed part $k; next: the other stash commands, then the install command 
 EOS
   chmod +x $dir/stash.sh
 done
+# five since stop 53 (the tree reached 34 MiB): part 0 goes in two halves, a (copied) then e (appended)
+split -b 15000000 -d -a 1 a/mlx_cuda.part.0 /tmp/mlx_cuda_head.
+mkdir -p e
+mv /tmp/mlx_cuda_head.0 a/mlx_cuda.part.0a
+mv /tmp/mlx_cuda_head.1 e/mlx_cuda.part.0b
+rm a/mlx_cuda.part.0
+sed -i 's|cp .whl/a/mlx_cuda.part.0 /var/tmp/mlxb-stash/|cp .whl/a/mlx_cuda.part.0a /var/tmp/mlxb-stash/mlx_cuda.part.0|' a/stash.sh
+grep -q 'part.0a' a/stash.sh || { echo "a/stash.sh was not rewritten"; exit 3; }
+printf '#!/usr/bin/env bash\nset -eu\ncat .whl/e/mlx_cuda.part.0b >> /var/tmp/mlxb-stash/mlx_cuda.part.0\necho "appended part 0b"\n' > e/stash.sh
+chmod +x e/stash.sh
 sed -i 's|cat "$p0" .whl/b/mlx_cuda.part.1 > "$w"|cat "$p0" /var/tmp/mlxb-stash/mlx_cuda.part.1 .whl/b/mlx_cuda.part.2 /var/tmp/mlxb-stash/mlx_cuda.part.3 > "$w"|' b/install.sh
 grep -q 'mlx_cuda.part.3' b/install.sh || { echo "install.sh was not rewritten"; exit 3; }
-du -sh a b c d
+du -sh a b c d e
