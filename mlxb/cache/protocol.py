@@ -105,6 +105,9 @@ class _Full(_RowOps):
             return super().filter(batch, keep)
         # NOTE: only the parity negative control takes this branch (planted bug).
         idx = keep
+        if getattr(batch, "share", None) is not None:
+            batch.share = [batch.share[i] for i in idx]
+            batch._share_arr = None
         if batch.keys is not None:
             batch.keys, batch.values = batch.keys[idx], batch.values[idx]
         batch.offset, batch.left_padding = batch.offset[idx], batch.left_padding[idx]

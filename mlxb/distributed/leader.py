@@ -59,6 +59,7 @@ class TPRunner(Runner):
 
     def __init__(self, model, kinds, *, link: Link, lora_recipes: Optional[list] = None, **kw):
         super().__init__(model, kinds, **kw)
+        self.sharing, self.sharing_off = None, "--tp: every rank keeps its rows' own copies"
         self.pipeline_verify = False  # the followers mirror each verify step as rank 0 tells it, in order
         self.link = link
         self.share = link.share

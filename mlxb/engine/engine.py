@@ -58,6 +58,7 @@ class Engine:
         spec=None,
         runner_cls=Runner,  # mlxb.distributed.leader.TPRunner (bound to its Link) under --tp
         compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
+        share_min: Optional[int] = None,  # shared-prefix KV (mlxb.engine.sharing): fewest tokens worth sharing; None: off
     ):
         model = engine_view(model)  # load_model's already; a model built elsewhere gets the corrections here
         self.model, self.tokenizer = model, tokenizer
@@ -71,7 +72,8 @@ class Engine:
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", []) or [])
         # NOTE: the runner first: under --tp it is announced to the other ranks before the forward below
         self.runner = runner_cls(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
-                                 special_tokens=sorted(self.eos_ids), compile_decode=compile_decode)
+                                 special_tokens=sorted(self.eos_ids), compile_decode=compile_decode,
+                                 share_min=share_min)
         self.projection = admission_projection(model, self.kinds, self.kv_scheme, spec) if self.batchable else None
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.scheduler = Scheduler(

@@ -37,13 +37,16 @@ from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
 from mlxb.constrain.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
+from mlxb.engine.sharing import Sharing, sharing_off
+from mlxb.cache import shared as shared_cache
 from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup, decode as spec_decode
 from mlxb.spec.ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
-          "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one", "compiled_mask_late")
+          "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one", "compiled_mask_late",
+          "shared_offset", "shared_merge")
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Row:
     tokens: list = field(default_factory=list)  # sampled token ids, in order
     seeded: bool = False  # solo caches set up (from a cached prefix when prefill starts past 0)
     spec: Optional[RowSpec] = None  # speculation state (--spec), None when this row does not speculate
+    shared: int = 0  # leading tokens this row reads from the batch's shared prefix (mlxb.engine.sharing)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Runner:
         kv_scheme=None,
         spec=None,
         compile_decode=False,  # False | "lone" (a lone row's steps) | "all" (batch steps too); True means "lone"
+        share_min: Optional[int] = None,  # shared-prefix KV: the fewest prompt tokens worth sharing; None: off
     ):
         self.model = model
         self.kinds = kinds
@@ -109,6 +114,11 @@ class Runner:
         self.lora = getattr(model, "mlxb_lora", None)  # mlxb.adapters.lora.LoRAContext when --adapters
         self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.distributed.leader)
         self.compiled = CompiledDecode(model, "compiled_mask_late" in faults, compile_decode == "all") if compile_decode else None
+        self.sharing = None  # mlxb.engine.sharing.Sharing: rows that read one copy of a common prompt prefix
+        self.sharing_off = sharing_off(share_min, self.kv, join_full, kinds)
+        if self.sharing_off is None:
+            self.sharing = Sharing(kinds, share_min, offset_fault=1 if "shared_offset" in faults else 0)
+            shared_cache.MERGE_FAULT = "shared_merge" in faults
 
     def idle(self) -> None:
         """The engine has nothing to run (``mlxb.distributed.leader.TPRunner`` pings the other ranks)."""
@@ -245,11 +255,15 @@ class Runner:
         cancel_ahead(self)
         tok = mx.array(tokens, dtype=mx.uint32)
         if not self.rows:
+            if merged and self.sharing is not None:  # a cohort becomes the batch
+                _, caches = self.sharing.before_join([], None, rows, caches)
             self.caches, self.merged, self.register = caches, merged, tok
         else:
             if not self.merged:
                 self.caches = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self._quantized(self.caches))]
                 self.merged = True
+            if self.sharing is not None:
+                self.caches, caches = self.sharing.before_join(self.rows, self.caches, rows, caches)
             self.caches = [ROW_OPS[k].join_batch(b, c, self.join_mode[k])
                            for k, b, c in zip(self.kinds, self.caches, caches)]
             self.register = mx.concatenate([self.register, tok])
@@ -373,6 +387,8 @@ class Runner:
         idx = mx.array(keep)
         self.register = self.register[idx]
         self.rows = [self.rows[i] for i in keep]
+        if self.sharing is not None:
+            self.sharing.refresh(self.rows)
         self.pending = [self.pending[i] for i in keep]
         if self.pending_geo is not None:
             self.pending_geo = [self.pending_geo[i] for i in keep]
@@ -383,13 +399,15 @@ class Runner:
         if not self.merged or self._geo_layer is None:
             return
         idx = self.caches[self._geo_layer]._idx  # every full/latent layer shares the buffer index
-        aligned = all(r.base + self.num_steps == idx for r in self.rows)
+        aligned = all(r.base + self.num_steps - r.shared == idx for r in self.rows)
         aligned = aligned or "always_aligned" in self.faults  # planted bug: padded rows see their padding
         for k, c in zip(self.kinds, self.caches):
             if k in ("full", "latent"):
                 c.aligned = aligned
 
     def drop_all(self) -> None:
+        if self.sharing is not None:
+            self.sharing.refresh([])
         self.ahead = None
         self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False
         self.pending_geo = None

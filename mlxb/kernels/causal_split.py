@@ -30,6 +30,8 @@ _ORIGINAL = None
 
 
 def applies(q: mx.array, k: mx.array, mask, sinks) -> bool:
+    if not isinstance(k, mx.array):  # a shared-prefix layer's keys (mlxb.cache.shared)
+        return False
     qL, kL = q.shape[2], k.shape[2]
     return (isinstance(mask, str) and mask == "causal" and sinks is None and CHUNK < qL <= MAX_QUERIES
             and kL >= qL and q.shape[-1] in HEAD_DIMS and q.shape[-1] == k.shape[-1])

@@ -1,0 +1,183 @@
+"""Which batch rows read one shared copy of a prompt prefix (``mlxb.cache.shared``), decided by the runner.
+
+The batch has at most one live shared prefix (its token ids, ``P`` of them, one ``SharedPrefix`` per
+full-attention layer). When rows join a batch of two or more rows:
+
+* with a live prefix, a joiner whose prompt opens with its tokens (same LoRA adapter, a longer prompt)
+  reads it: its caches drop those tokens *before* they join, so the batch never holds the copy;
+* with none, the rows' prompts are planned (``plan``): the longest run of rows (same adapter) whose prompts
+  share at least ``min_tokens`` leading tokens, scored by the bytes it saves, ``P x (sharers - 1)``; one
+  sharer's first ``P`` cached tokens become the prefix (a copy), every sharer's own copy leaves the buffer;
+* a live prefix that only one row still reads gives way to a plan that two or more new rows would share
+  (its reader's history is made whole again first, a copy).
+
+Sharing the prefix of one row with rows that computed it elsewhere substitutes bytes that agree to the
+last bits, exactly as the prompt cache substitutes a cached prefix. The prefix is freed when the last row
+that reads it leaves (a filter drops the layer's reference). Rows with quantized KV, sliding-window and
+recurrent layers keep their copies; so does a lone row (its step is the serial graph).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mlxb.cache.dense import AlignedBatchKVCache
+from mlxb.cache.shared import SharedBatchKVCache, install, prefix_of
+
+MIN_TOKENS = 256
+
+
+def common_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    d = np.flatnonzero(a[:n] != b[:n])
+    return int(d[0]) if d.size else n
+
+
+def plan(prompts: list, adapters: list, min_tokens: int) -> tuple[int, list[int]]:
+    """(P, rows): the prefix length and the rows (indices, two or more) that should share it, or (0, []).
+    ``prompts[i]``: row i's shareable token ids (its prompt less the last token, which it must hold)."""
+    order = sorted(range(len(prompts)), key=lambda i: (str(adapters[i]), prompts[i].tolist()))
+    lcp = [common_length(prompts[a], prompts[b]) if adapters[a] == adapters[b] else 0
+           for a, b in zip(order, order[1:])]
+    best = (0, 0, [])  # saving, P, rows
+    for t in sorted({v for v in lcp if v >= min_tokens}):
+        i = 0
+        while i < len(lcp):  # runs of neighbours sharing at least t tokens
+            if lcp[i] < t:
+                i += 1
+                continue
+            j = i
+            while j < len(lcp) and lcp[j] >= t:
+                j += 1
+            P = min(lcp[i:j])
+            rows = order[i:j + 1]
+            if P * (len(rows) - 1) > best[0]:
+                best = (P * (len(rows) - 1), P, sorted(rows))
+            i = j
+    return best[1], best[2]
+
+
+class Sharing:
+    """The runner's shared prefix: its tokens, the per-layer copies, and what it has done (``stats``)."""
+
+    def __init__(self, kinds: list, min_tokens: int = MIN_TOKENS, offset_fault: int = 0):
+        self.layers = [i for i, k in enumerate(kinds) if k == "full"]
+        self.min_tokens = max(1, min_tokens)
+        self.offset_fault = offset_fault  # parity negative control only
+        self.tokens: Optional[np.ndarray] = None
+        self.adapter = None
+        self.prefixes: Optional[list] = None  # per shared layer
+        self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0}
+        install()
+
+    @property
+    def live(self) -> bool:
+        return self.tokens is not None
+
+    def _wrap(self, caches: list) -> list:
+        out = list(caches)
+        for i in self.layers:
+            c = out[i]
+            if type(c) is AlignedBatchKVCache:
+                out[i] = SharedBatchKVCache.wrap(c)
+                out[i].offset_fault = self.offset_fault
+        return out
+
+    def usable(self, caches: list) -> bool:
+        return all(isinstance(caches[i], AlignedBatchKVCache) for i in self.layers) and bool(self.layers)
+
+    @staticmethod
+    def _body(row) -> np.ndarray:
+        ids = row.req.prompt_ids
+        return np.asarray(ids[:-1], dtype=np.int64)
+
+    def _matches(self, row) -> bool:
+        P = self.tokens.size
+        ids = row.req.prompt_ids
+        return (row.req.adapter == self.adapter and len(ids) > P
+                and np.array_equal(np.asarray(ids[:P], dtype=np.int64), self.tokens))
+
+    def refresh(self, rows: list) -> None:
+        """After a filter: the prefix is gone once no row reads it."""
+        if self.live and not any(r.shared for r in rows):
+            self.tokens, self.prefixes, self.adapter = None, None, None
+
+    def before_join(self, old_rows: list, old: Optional[list], new_rows: list, new: list) -> tuple:
+        """Share what can be shared between the batch (``old_rows`` on ``old`` caches, None when the new
+        rows become the batch) and the joining rows on ``new`` (batch caches). Returns (old, new) caches."""
+        if not self.usable(new) or (old is not None and not self.usable(old)):
+            return old, new
+        new = self._wrap(new)
+        old = self._wrap(old) if old is not None else None
+        self.refresh(old_rows)
+        if self.live:
+            take = [j for j, r in enumerate(new_rows) if self._matches(r)]
+            readers = sum(1 for r in old_rows if r.shared)
+            if readers + len(take) >= 2 or not take and readers >= 2:
+                self._share(new, new_rows, take)
+                return old, new
+            if readers:  # one reader left: a better plan may replace it
+                old = [self._unshare(c) if i in self.layers else c for i, c in enumerate(old)]
+                for r in old_rows:
+                    r.shared = 0
+                self.tokens, self.prefixes, self.adapter = None, None, None
+                self.counts["unshared"] += 1
+        rows = list(old_rows) + list(new_rows)
+        P, picked = plan([self._body(r) for r in rows], [r.req.adapter for r in rows], self.min_tokens)
+        if not picked:
+            return old, new
+        src = picked[0]
+        caches = old if src < len(old_rows) else new
+        at = src if src < len(old_rows) else src - len(old_rows)
+        self.prefixes = [prefix_of(caches[i], at, P) for i in self.layers]
+        self.tokens = self._body(rows[src])[:P].copy()
+        self.adapter = rows[src].req.adapter
+        self.counts["prefixes"] += 1
+        if old is not None:
+            self._share(old, old_rows, [i for i in picked if i < len(old_rows)])
+        self._share(new, new_rows, [i - len(old_rows) for i in picked if i >= len(old_rows)])
+        return old, new
+
+    def _share(self, caches: list, rows: list, take: list[int]) -> None:
+        if not take:
+            return
+        for i, p in zip(self.layers, self.prefixes):
+            caches[i].share_rows(take, p)
+        for j in take:
+            rows[j].shared = self.tokens.size
+        self.counts["rows_shared"] += len(take)
+        mx.eval([a for i in self.layers for a in (caches[i].keys, caches[i].values)])
+
+    @staticmethod
+    def _unshare(c):
+        if isinstance(c, SharedBatchKVCache) and c.sharing:
+            return SharedBatchKVCache.wrap(c.unshare())
+        return c
+
+    def stats(self, caches: Optional[list], rows: list) -> dict:
+        shared = sum(c.shared_bytes for c in caches or [] if isinstance(c, SharedBatchKVCache))
+        readers = sum(1 for r in rows if r.shared)
+        return {
+            "layers": len(self.layers),
+            "prefix_tokens": int(self.tokens.size) if self.live else 0,
+            "rows_sharing": readers,
+            "shared_bytes": shared,
+            "bytes_saved": shared * max(0, readers - 1),
+            **self.counts,
+        }
+
+
+def sharing_off(share_min: Optional[int], kv_plan, join_full: str, kinds: list) -> Optional[str]:
+    """Why this runner keeps every row's own copy of its prefix, or None when it shares."""
+    if share_min is None:
+        return "off (--no-share-prefix)"
+    if "full" not in kinds:
+        return "no full-attention layers (sliding-window, recurrent and latent layers keep their copies)"
+    if kv_plan is not None:
+        return "quantized KV (--kv-bits) keeps a copy per row"
+    if join_full != "extend":
+        return f"--join-full {join_full} re-merges every row at each join"
+    return None
