@@ -55,6 +55,8 @@ def serve(
     compile_batch: bool = typer.Option(False, "--compile-batch", help="--compile-decode for the batch lane's steps too (one trace per row count and buffer size). Measured slower on a 2-core CPU at B=8 and 32 (the masked read over the whole buffer); see the README."),
     fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Compute q/k/v and gate/up as one product each over concatenated weights (fewer launches: on CUDA a batch or verify step is bound by the host's cuBLAS launches). Not promised bit-exact with mlx-lm; see the README."),
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: run the products of 2 to 8 rows over weights of at most 4096x4096 (a batch's decode step, a speculative verify) through one kernel that reads each bf16/fp16 weight once, summing each row as MLX's one-row gemv does, instead of cuBLAS. Not bit-exact with mlx-lm's batch mode (cuBLAS); see the README."),
+    share_prefix: bool = typer.Option(True, "--share-prefix/--no-share-prefix", help="Rows whose prompts open with the same long prefix (a fleet's system prompt and tools) read one copy of its KV instead of one copy each (full-attention layers; cascade attention, docs/shared-prefix.md)."),
+    share_min_tokens: int = typer.Option(256, "--share-min-tokens", help="The fewest common prompt tokens worth sharing."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -83,7 +85,8 @@ def serve(
                            spec=spec, num_draft_tokens=num_draft_tokens, lookup_ngram=lookup_ngram,
                            draft_model=draft_model, spec_max_batch=spec_max_batch, spec_fixed=spec_fixed, spec_pipeline=spec_pipeline, tp=tp, tp_timeout=tp_timeout,
                            compile_decode=compile_decode, compile_batch=compile_batch, skinny_matmul=skinny_matmul,
-                           fuse_projections=fuse_projections)
+                           fuse_projections=fuse_projections, share_prefix=share_prefix,
+                           share_min_tokens=share_min_tokens)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
@@ -107,6 +110,9 @@ def serve(
         console.print(f"speculation: {sp['method']}{' (' + sp['draft_model'] + ')' if sp.get('draft_model') else ''}, "
                       f"up to {sp['num_draft_tokens']} draft tokens per row, while at most {sp['max_batch']} rows decode"
                       if sp["active"] else f"speculation: off ({sp['off_reason']})")
+    sh = gw.engine.stats()["shared_prefix"]
+    console.print(f"shared-prefix KV: on (full-attention layers, prompts sharing at least {sh['min_tokens']} tokens)"
+                  if sh["active"] else f"shared-prefix KV: off ({sh['off_reason']})")
     tps = gw.engine.stats()["tensor_parallel"]
     if tps is not None:
         console.print(f"tensor parallel: {tps['ranks']} ranks ({tps['backend']}); weights and KV rows split per rank; "

@@ -34,3 +34,9 @@ class KVProjection:
                 continue
             total += n * layer.bytes_per_token + layer.fixed_bytes
         return total
+
+    def shared_bytes(self, num_tokens: int) -> int:
+        """What ``num_tokens`` of a shared prefix hold once (full-attention layers at full width, the layers
+        that share: ``mlxb.cache.shared``), and what a row that reads them does not hold itself."""
+        return sum(num_tokens * layer.bytes_per_token for layer in self.layers
+                   if layer.kind == "full" and not layer.full_tokens)

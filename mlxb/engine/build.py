@@ -143,7 +143,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   spec_max_batch: Optional[int] = None, spec_fixed: bool = False, spec_pipeline: str = "off", adapters: Optional[dict] = None, max_loras: Optional[int] = None,
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
-                  fuse_projections: bool = False, tool_prompt: bool = True, **engine_kw) -> Gateway:
+                  fuse_projections: bool = False, tool_prompt: bool = True, share_prefix: bool = True,
+                  share_min_tokens: int = 256, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     graphs = cuda_graph_env()  # before the first GPU operation (the model's load)
     link = tp_link(tp, batch=batch) if tp > 1 else None
@@ -196,6 +197,12 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
     if compile_decode or compile_batch:  # --compile-batch implies --compile-decode
         check_compile_decode(m, batch=batch, lora=adapters, tp=link is not None)
         engine_kw["compile_decode"] = "all" if compile_batch else "lone"
+    if share_min_tokens < 1:
+        from mlxb.errors import ValidationError
+
+        raise ValidationError(f"--share-min-tokens {share_min_tokens}: give at least 1 (or --no-share-prefix to turn "
+                              "sharing off)", param="share_min_tokens")
+    engine_kw.setdefault("share_min", share_min_tokens if share_prefix else None)
     if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
         from mlxb.models.synth import mlxb_home
 

@@ -88,6 +88,7 @@ class Engine:
             min_shared=min_shared,
             cache_bytes=self.reuse.nbytes,
             evict_cache=self.reuse.evict,
+            **self._sharing_budget(),
         )
         self.attach_prompt_cache(prompt_cache)
         self.device_lock = threading.Lock()
@@ -109,6 +110,15 @@ class Engine:
         self.trace = IterationTrace()  # MLXB_TRACE=FILE: one JSON line per iteration (diagnostics)
         self.idle_poll_s = 0.05  # how long an idle engine waits on its inbox per loop
         self._thread = threading.Thread(target=self._loop, name="mlxb-engine", daemon=True)
+
+    def _sharing_budget(self) -> dict:
+        """Admission's view of shared-prefix KV (``Scheduler`` notes): nothing when the runner does not share."""
+        sh = self.runner.sharing
+        if sh is None or self.projection is None:
+            return {}
+        r = self.runner
+        return {"shared_tokens": sh.covers, "shared_bytes": self.projection.shared_bytes,
+                "prefix_bytes": lambda: sh.prefix_bytes(r.caches if r.merged else None)}
 
     # ---- caller side -----------------------------------------------------------------------
     @property

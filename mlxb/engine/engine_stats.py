@@ -31,7 +31,16 @@ def engine_stats(eng) -> dict:
         "compiled_decode": r.compiled.stats() if getattr(r, "compiled", None) else None,
         "step_timing": step_timing(r),
         "prompt_cache": eng.prompt_cache_stats(),
+        "shared_prefix": shared_stats(r),
     }
+
+
+def shared_stats(r) -> dict:
+    """Shared-prefix KV: whether it runs (and why not), which layers share, the live prefix and what it saves."""
+    if r.sharing is None:
+        return {"active": False, "off_reason": r.sharing_off}
+    return {"active": True, "min_tokens": r.sharing.min_tokens, "shared_layers": "full-attention",
+            **r.sharing.stats(r.caches if r.merged else None, r.rows)}
 
 
 def spec_stats(eng) -> Optional[dict]:

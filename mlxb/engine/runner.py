@@ -37,7 +37,7 @@ from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
 from mlxb.constrain.grammar import apply_row_masks
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
-from mlxb.engine.sharing import Sharing, sharing_off
+from mlxb.engine.sharing import Sharing, sharing_off, probe as probe_sharing
 from mlxb.cache import shared as shared_cache
 from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup, decode as spec_decode
 from mlxb.spec.ahead import cancel as cancel_ahead
@@ -116,6 +116,8 @@ class Runner:
         self.compiled = CompiledDecode(model, "compiled_mask_late" in faults, compile_decode == "all") if compile_decode else None
         self.sharing = None  # mlxb.engine.sharing.Sharing: rows that read one copy of a common prompt prefix
         self.sharing_off = sharing_off(share_min, self.kv, join_full, kinds)
+        if self.sharing_off is None:
+            self.sharing_off = probe_sharing(model, kinds)
         if self.sharing_off is None:
             self.sharing = Sharing(kinds, share_min, offset_fault=1 if "shared_offset" in faults else 0)
             shared_cache.MERGE_FAULT = "shared_merge" in faults

@@ -35,7 +35,9 @@ the runner snapshots it alone, out of any cohort, and the follower starts from t
 
 One memory ceiling: ``kv_budget`` covers live rows' projected bytes plus the prompt cache's RAM
 bytes (``cache_bytes()``); admission evicts cache entries (``evict_cache(n)``) before it ever
-queues a row for memory.
+queues a row for memory. Shared-prefix KV: a live shared prefix is charged once (``prefix_bytes()``), and a
+request its tokens open is charged only for what it holds itself (``shared_tokens(req)`` tokens fewer in the
+layers that share). Rows admitted before a prefix forms were charged their whole prompt (over, never under).
 
 Snapshot marks: a chunk also ends at each of the request's ``snapshot_at`` prompt lengths (set only where
 the cache keeps exact snapshots), so a later prompt that shares that prefix finds a snapshot there.
@@ -68,6 +70,9 @@ class Scheduler:
         min_shared: int = 32,
         cache_bytes: Callable[[], int] = lambda: 0,
         evict_cache: Callable[[int], int] = lambda n: 0,
+        shared_tokens: Callable[[Request], int] = lambda req: 0,
+        shared_bytes: Callable[[int], int] = lambda n: 0,
+        prefix_bytes: Callable[[], int] = lambda: 0,
     ):
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
@@ -89,10 +94,15 @@ class Scheduler:
         self.cache_bytes = cache_bytes
         self.evict_cache = evict_cache
         self.num_shared = 0  # followers that started from a leader's snapshot in the same iteration
+        # shared-prefix KV: prompt tokens a live shared prefix covers for a request, their bytes per row, and
+        # the live prefix's own bytes (charged once, whatever the number of rows that read it)
+        self.shared_tokens, self.shared_bytes, self.prefix_bytes = shared_tokens, shared_bytes, prefix_bytes
 
     # ---- admission -------------------------------------------------------------------------
-    def projected_bytes(self, req: Request) -> int:
-        return self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+    def projected_bytes(self, req: Request, shared: bool = True) -> int:
+        """A row's worst-case KV bytes; with ``shared``, less what it will read from a live shared prefix."""
+        own = self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+        return own - self.shared_bytes(self.shared_tokens(req)) if shared else own
 
     def check(self, req: Request) -> None:
         """Raise if ``req`` can never run; otherwise return (it may still have to wait)."""
@@ -104,7 +114,7 @@ class Scheduler:
                 param="max_tokens",
             )
         if self.kv_budget is not None:
-            b = self.projected_bytes(req)
+            b = self.projected_bytes(req, shared=False)
             if b > self.kv_budget:
                 raise KVBudgetError(
                     f"this request alone needs {b} bytes of KV cache (prompt {req.num_prompt_tokens} + max_tokens "
@@ -121,7 +131,7 @@ class Scheduler:
 
     @property
     def used_bytes(self) -> int:
-        return sum(self._projected.values())
+        return sum(self._projected.values()) + self.prefix_bytes()
 
     def _can_admit(self, req: Request, evict: bool = False) -> bool:
         if self.hold_admission:

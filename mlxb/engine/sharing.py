@@ -95,10 +95,20 @@ class Sharing:
         return np.asarray(ids[:-1], dtype=np.int64)
 
     def _matches(self, row) -> bool:
+        return self.covers(row.req) > 0
+
+    def covers(self, req) -> int:
+        """Prompt tokens of ``req`` the live prefix would serve (admission charges the rest)."""
+        if not self.live:
+            return 0
         P = self.tokens.size
-        ids = row.req.prompt_ids
-        return (row.req.adapter == self.adapter and len(ids) > P
-                and np.array_equal(np.asarray(ids[:P], dtype=np.int64), self.tokens))
+        ids = req.prompt_ids
+        if req.adapter != self.adapter or len(ids) <= P or not np.array_equal(np.asarray(ids[:P]), self.tokens):
+            return 0
+        return P
+
+    def prefix_bytes(self, caches: Optional[list]) -> int:
+        return sum(c.shared_bytes for c in caches or [] if isinstance(c, SharedBatchKVCache))
 
     def refresh(self, rows: list) -> None:
         """After a filter: the prefix is gone once no row reads it."""
@@ -158,7 +168,7 @@ class Sharing:
         return c
 
     def stats(self, caches: Optional[list], rows: list) -> dict:
-        shared = sum(c.shared_bytes for c in caches or [] if isinstance(c, SharedBatchKVCache))
+        shared = self.prefix_bytes(caches)
         readers = sum(1 for r in rows if r.shared)
         return {
             "layers": len(self.layers),
@@ -180,4 +190,40 @@ def sharing_off(share_min: Optional[int], kv_plan, join_full: str, kinds: list) 
         return "quantized KV (--kv-bits) keeps a copy per row"
     if join_full != "extend":
         return f"--join-full {join_full} re-merges every row at each join"
+    return None
+
+
+def probe(model, kinds: list) -> Optional[str]:
+    """One decode step of two rows that share a prefix, through shared layers and through copies: None when
+    this model's attention reads a shared layer and agrees, else why sharing stays off (attention computed
+    by hand, as Gemma 2's softcapped scores, never reaches the dispatcher)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxb.cache.protocol import ROW_OPS, base_forward
+
+    base_forward(model)
+    P, rows = 6, [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 9, 8]]
+    solos = []
+    for ids in rows:
+        c = make_prompt_cache(model)
+        model(mx.array([ids]), cache=c)
+        solos.append(c)
+    out = []
+    for share in (False, True):
+        caches = [ROW_OPS[k].to_batch([s[i] for s in solos]) for i, k in enumerate(kinds)]
+        if share:
+            sh = Sharing(kinds)
+            caches = sh._wrap(caches)
+            for i in sh.layers:
+                caches[i].share_rows([0, 1], prefix_of(caches[i], 1, P))
+        try:
+            out.append(model(mx.array([[10], [11]]), cache=caches)[:, -1].astype(mx.float32))
+            mx.eval(out[-1])
+        except Exception as e:
+            return (f"this model's attention cannot read a shared layer ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:100]}); every row keeps its own copy")
+    scale = mx.abs(out[0]).max().item() or 1.0
+    err = mx.abs(out[0] - out[1]).max().item() / scale
+    if not err <= 2e-2:
+        return f"attention over a shared layer differs from attention over copies here ({err:.3g}, relative)"
     return None

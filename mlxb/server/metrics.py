@@ -21,6 +21,8 @@ class Metrics:
         self.prompt_cache = Gauge("mlxb_prompt_cache", "Prompt cache, cumulative counts and current sizes "
                                   "(hits, misses, cached_tokens, ram_bytes, ssd_bytes, evictions, spills, restores, "
                                   "load_s, ...)", ["stat"], registry=r)
+        self.shared = Gauge("mlxb_shared_prefix", "Shared-prefix KV (prefix_tokens, rows_sharing, shared_bytes, "
+                            "bytes_saved, prefixes, rows_shared, unshared)", ["stat"], registry=r)
 
     def render(self, stats: dict) -> bytes:
         self.active.set(stats["active_rows"])
@@ -29,4 +31,7 @@ class Metrics:
         for k, v in (stats.get("prompt_cache") or {}).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.prompt_cache.labels(k).set(v)
+        for k, v in (stats.get("shared_prefix") or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.shared.labels(k).set(v)
         return generate_latest(self.registry)

@@ -1,0 +1,134 @@
+"""Shared-prefix KV: cascade attention, the shared layer's row operations and ownership, the sharing plan,
+admission accounting and the start-up probe."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxb.cache.dense import AlignedBatchKVCache
+from mlxb.cache.projection import KVProjection, LayerBytes
+from mlxb.cache.shared import SharedBatchKVCache, SharedKV, cascade_attention, prefix_of
+from mlxb.engine.scheduler import Scheduler
+from mlxb.engine.sharing import plan, probe
+from mlxb.request import Request
+
+
+def _rand(shape, seed, dt=mx.float32):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dt)
+
+
+def _copies(q, kp, vp, ks, vs, share, N):
+    """Attention with every sharing row holding its own copy of the prefix (MLX's kernel, the reference)."""
+    B, H, T, D = ks.shape
+    P = kp.shape[2]
+    K = mx.concatenate([mx.broadcast_to(kp, (B, H, P, D)), ks], axis=2)
+    V = mx.concatenate([mx.broadcast_to(vp, (B, H, P, D)), vs], axis=2)
+    pos = mx.arange(P + T)
+    visible = (pos[None] >= P) | share[:, None]
+    causal = (mx.arange(T - N, T)[:, None] + P) >= pos[None]
+    return mx.fast.scaled_dot_product_attention(q, K, V, scale=D ** -0.5,
+                                                mask=visible[:, None, None, :] & causal[None, None])
+
+
+@pytest.mark.parametrize("dt,tol", [(mx.float32, 1e-6), (mx.bfloat16, 8e-3)])
+@pytest.mark.parametrize("B,Hq,H,N,P,T,D", [(4, 8, 2, 1, 300, 40, 64), (3, 4, 4, 5, 100, 20, 32), (2, 8, 8, 1, 64, 3, 128)])
+def test_cascade_equals_attention_over_copies_and_a_dropped_shift_fails(dt, tol, B, Hq, H, N, P, T, D):
+    q, kp, vp = _rand((B, Hq, N, D), 1, dt), _rand((1, H, P, D), 2, dt), _rand((1, H, P, D), 3, dt)
+    ks, vs = _rand((B, H, T, D), 4, dt), _rand((B, H, T, D), 5, dt)
+    share = mx.array([i % 2 == 0 for i in range(B)])
+    want = _copies(q, kp, vp, ks, vs, share, N).astype(mx.float32)
+    own = mx.broadcast_to((mx.arange(T - N, T)[:, None] >= mx.arange(T)[None])[None, None], (B, 1, N, T))
+    args = (q, SharedKV((ks, kp, share)), SharedKV((vs, vp, share)), D ** -0.5, own)
+    got = cascade_attention(*args).astype(mx.float32)
+    assert mx.abs(got - want).max().item() <= tol
+    bad = cascade_attention(*args, merge_fault=True).astype(mx.float32)  # planted: blocks normalised apart
+    assert mx.abs(bad - want).max().item() > 0.1
+
+
+def _layer(lengths, H=2, D=8, seed=0):
+    """A batch layer whose row i holds ``lengths[i]`` tokens (its own keys/values as single-row caches)."""
+    solos = []
+    for i, n in enumerate(lengths):
+        c = KVCache()
+        c.update_and_fetch(_rand((1, H, n, D), seed + 2 * i), _rand((1, H, n, D), seed + 2 * i + 1))
+        solos.append(c)
+    return AlignedBatchKVCache.merge(solos), solos
+
+
+def test_a_shared_layer_holds_one_copy_and_gives_rows_back_whole():
+    P = 40
+    c, solos = _layer([50, 47, 45])
+    for s in solos[1:]:  # rows 1 and 2 open with row 0's first P tokens
+        s.keys[..., :P, :] = solos[0].keys[..., :P, :]
+        s.values[..., :P, :] = solos[0].values[..., :P, :]
+    c, _ = AlignedBatchKVCache.merge(solos), None
+    before = c.nbytes
+    s = SharedBatchKVCache.wrap(c)
+    s.share_rows([0, 1, 2], prefix_of(s, 0, P))
+    assert s.sharing and s.nbytes < before
+    assert s.keys.shape[2] == 50 - P and s.offset.tolist() == [50, 47, 45]  # own tokens; positions unchanged
+    for i, solo in enumerate(solos):  # extract gives the row's whole history back, bit for bit
+        r = s.extract(i)
+        assert r.offset == solo.offset and mx.array_equal(r.keys, solo.keys[..., :solo.offset, :]).item()
+    s.filter([1, 2])
+    assert s.sharing and s.share == [True, True]
+    p = s.prefix
+    s.filter([1])
+    assert s.prefix is p  # a row still reads it
+
+
+def test_the_prefix_is_dropped_when_its_last_reader_leaves():
+    c, _ = _layer([30, 28, 12])
+    s = SharedBatchKVCache.wrap(c)
+    s.share_rows([0, 1], prefix_of(s, 0, 10))
+    keep = s.extract(2)
+    s.filter([2])
+    assert s.prefix is None and s.share == [False] and not s.sharing
+    assert mx.array_equal(s.extract(0).keys, keep.keys).item()  # the row that never shared is untouched
+
+
+def test_rows_of_another_prefix_cannot_join_a_sharing_layer():
+    a, _ = _layer([30, 30], seed=0)
+    b, _ = _layer([30, 30], seed=10)
+    a, b = SharedBatchKVCache.wrap(a), SharedBatchKVCache.wrap(b)
+    a.share_rows([0, 1], prefix_of(a, 0, 10))
+    b.share_rows([0, 1], prefix_of(b, 0, 10))
+    with pytest.raises(ValueError, match="different shared prefixes"):
+        a.extend(b)
+
+
+def test_the_plan_picks_the_run_that_saves_most_and_keeps_adapters_apart():
+    rng = np.random.default_rng(0)
+    sys_a, sys_b = rng.integers(0, 999, 600), rng.integers(0, 999, 300)
+    rows = [np.concatenate([sys_a, rng.integers(0, 999, 20)]) for _ in range(2)]
+    rows += [np.concatenate([sys_b, rng.integers(0, 999, 20)]) for _ in range(5)]
+    rows.append(rng.integers(0, 999, 400))
+    P, picked = plan(rows, [None] * 8, 64)
+    assert P >= 300 and picked == [2, 3, 4, 5, 6]  # 300 x 4 saved beats 600 x 1
+    P, picked = plan(rows, [None, None, 0, 1, 0, 1, 0, None], 64)  # KV differs per adapter
+    assert picked == [2, 4, 6]
+    assert plan(rows, [None] * 8, 700) == (0, [])
+
+
+def test_admission_charges_a_live_prefix_once():
+    proj = KVProjection((LayerBytes("full", 100), LayerBytes("rotating", 10, window=8)))
+    live = {"on": False}
+    s = Scheduler(max_batch=16, kv_budget=10 ** 6, row_bytes=proj.row_bytes, shared_bytes=proj.shared_bytes,
+                  shared_tokens=lambda req: 900 if live["on"] else 0, prefix_bytes=lambda: 90_000 if live["on"] else 0)
+    req = Request("a", list(range(1000)), 24)
+    assert s.projected_bytes(req) == 1024 * 100 + 80
+    live["on"] = True
+    assert s.projected_bytes(req) == 124 * 100 + 80 and s.used_bytes == 90_000
+    assert s.projected_bytes(req, shared=False) == 1024 * 100 + 80  # "can it ever fit" keeps the whole row
+
+
+def test_the_probe_turns_sharing_off_where_attention_is_computed_by_hand():
+    from mlx_lm.models import gemma2, llama
+
+    from mlxb.cache.protocol import layer_kinds
+
+    g = gemma2.Model(gemma2.ModelArgs("gemma2", 32, 2, 64, 4, 8, 1e-6, 64, 2))
+    assert "cannot read a shared layer" in probe(g, layer_kinds(g))
+    m = llama.Model(llama.ModelArgs("llama", 32, 2, 64, 4, 1e-6, 64, 2))
+    assert probe(m, layer_kinds(m)) is None
