@@ -16,10 +16,11 @@ Attention over shared + own (``cascade_attention``): the queries of every row ar
 keys in one matrix product (the prefix is read once for all rows), each row's queries against its own keys
 as before; the two score blocks are joined per row (non-sharing rows see the prefix block masked) and
 normalised by one softmax, which is the log-sum-exp merge of the two partial softmaxes; the weighted sum is
-the prefix part plus the own part. It mirrors MLX's unfused attention (scores in the input dtype, a precise
-softmax, masked scores at the dtype's minimum), so the only difference from attention over a copied prefix is
-the order of the final sum (two products added, not one): logits agree with mlx-lm's to the last bits (the
-``shared`` parity case states the envelope).
+the prefix part plus the own part, each summed in float32 and rounded to the input dtype once. It mirrors
+MLX's unfused attention (scores in the input dtype, a precise softmax, masked scores at the dtype's minimum,
+a product that accumulates in float32), so the only difference from attention over a copied prefix is the
+order of the float32 sum: logits agree with mlx-lm's to the last bits (the ``shared`` parity case states the
+envelope).
 
 The layer hands attention a ``SharedKV`` (own keys, prefix keys, share flags) in place of its keys; the
 dispatcher ``install()`` puts in front of ``mx.fast.scaled_dot_product_attention`` (mlx-lm's attention calls it
@@ -205,9 +206,11 @@ def cascade_attention(q: mx.array, keys: SharedKV, values: SharedKV, scale: floa
     else:
         probs = mx.softmax(mx.concatenate([sp, ss], axis=-1), axis=-1, precise=True)
         pp, ps = probs[..., :P], probs[..., P:]
-    own = pp.transpose(1, 0, 2, 3, 4).reshape(H, B * G * N, P) @ vp[0]  # [H, B*G*N, Dv]
-    out = own.reshape(H, B, G, N, -1).transpose(1, 0, 2, 3, 4) + ps @ vs[:, :, None]
-    return out.reshape(B, Hq, N, -1)
+    # the two partial sums in float32, rounded to the input dtype once, as the single product over copies is
+    f32 = mx.float32
+    own = pp.astype(f32).transpose(1, 0, 2, 3, 4).reshape(H, B * G * N, P) @ vp[0].astype(f32)  # [H, B*G*N, Dv]
+    out = own.reshape(H, B, G, N, -1).transpose(1, 0, 2, 3, 4) + ps.astype(f32) @ vs[:, :, None].astype(f32)
+    return out.reshape(B, Hq, N, -1).astype(dt)
 
 
 _PREVIOUS = None

@@ -96,6 +96,14 @@ def make_case(model: str, dtype: str, case: str, b: int, seed: int = 0, vocab: i
         j = make_case(model, dtype, "join", b, seed, vocab, window, ids)
         return Case(model, dtype, "quant", b, seed, j.rows, 16, j.join_full,
                     kv={"bits": 4 if b % 2 else 8, "group_size": QUANT_GROUP, "start": 0})
+    elif case == "shared":  # a fleet's rows opening with one prefix: pairs and single joins, retirements, one stranger
+        from mlxb.parity.protocol import SHARED_PREFIX
+
+        pre = _prompt(rng, SHARED_PREFIX, vocab)
+        rows = [RowSpec(pre + _prompt(rng, int(rng.integers(2, 12)), vocab), 6 + 3 * (i % 3), 2 * ((i + 1) // 2))
+                for i in range(b)]
+        rows.insert(min(2, b), RowSpec(_prompt(rng, 20, vocab), 5, 3))
+        return Case(model, dtype, "shared", b, seed, rows, 2048, "extend")
     elif case == "spec":  # staggered joins and retirements; prompts repeat a segment, so lookup drafts from the start
         rows = []
         for i in range(b):

@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
 from mlxb.parity.plan import Planner, plan
-from mlxb.parity.protocol import MIN_SHARED, Case, step_record
+from mlxb.parity.protocol import MIN_SHARED, SHARED_MIN, Case, step_record
 from mlxb.request import Request, SamplingParams
 
 
@@ -44,7 +44,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
                           adaptive=False)
     eng = Engine(model, tokenizer, max_batch=case.b, prefill_chunk=case.prefill_chunk,
                  join_full=case.join_full, capture=capture, faults=faults, min_shared=MIN_SHARED, kv_scheme=scheme,
-                 spec=spec, compile_decode=compile_decode, **({"runner_cls": runner_cls} if runner_cls else {}))
+                 spec=spec, compile_decode=compile_decode, share_min=SHARED_MIN if case.case == "shared" else None,
+                 **({"runner_cls": runner_cls} if runner_cls else {}))
     disk = tempfile.TemporaryDirectory() if case.prefix else None
     if case.prefix and hasattr(eng.runner, "link"):  # --tp: rank 0's cache names each entry to the other ranks
         from mlxb.distributed.cache import MirroredPromptCache  # (RAM only: the SSD round trip keeps every entry)

@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 
 CASES = ("static", "join", "leave", "extend", "merge", "burst", "ring", "ssm", "latent", "prefix", "grammar", "quant",
-         "lora", "spec", "tools")
+         "lora", "spec", "tools", "shared")
 # grammar: the join case's rows, with rows 0 and 2 constrained by this regex (llguidance). Its mask depends on
 # where the row is in the pattern (a mask one token late breaks it), and it allows no end of sequence before
 # 180 characters, so every row still produces exactly max_tokens tokens and the plan is the join case's; the
@@ -59,6 +59,16 @@ PARITY_TOOLS = [{"type": "function", "function": {"name": "open_file", "paramete
                                      "line": {"type": "integer"}}, "required": ["path"]}}},
     {"type": "function", "function": {"name": "run", "parameters": {
         "type": "object", "properties": {"cmd": {"type": "string", "minLength": 400}}, "required": ["cmd"]}}}]
+# shared (shared-prefix KV, mlxb.cache.shared): rows whose prompts open with one SHARED_PREFIX-token prefix join in
+# pairs and alone mid-decode and retire at different steps, with one unrelated row; the engine shares prefixes of
+# at least SHARED_MIN tokens. Its full-attention layers then hold each sharing row's own tokens only, so their
+# buffer geometry is not mlx-lm's by design: the case compares tokens and logits, not geometry. The cascade sums
+# the attention output as two products instead of one, so logits may differ from mlx-lm's in the last bits:
+# steps that are not bit-equal pass within SHARED_ENVELOPE (per dtype; docs/shared-prefix.md), tokens must agree.
+SHARED_PREFIX, SHARED_MIN = 48, 16
+SHARED_ENVELOPE = {"float32": {"max_abs_logprob": 1e-4, "kl_top5": 1e-7},
+                   "bfloat16": {"max_abs_logprob": 0.0625, "kl_top5": 1e-3},
+                   "float16": {"max_abs_logprob": 0.0078, "kl_top5": 1e-4}}
 # prefix: every tiny preset; True where every layer is full attention / latent (reuse at any length)
 PREFIX_TRIMMABLE = {"tiny-llama": True, "tiny-minicpm": True, "tiny-glm-mla": True,
                     "tiny-gemma3": False, "tiny-gemma4": False, "tiny-qwen3.5": False}
@@ -195,6 +205,8 @@ def skip_reason(case: str, kinds) -> Optional[str]:
         return "no latent (MLA) attention layers"
     if case == "quant" and kinds != {"full"}:
         return "the quant oracle covers models whose every layer is full attention"
+    if case == "shared" and "full" not in kinds:
+        return "no full-attention layers (only those share a prefix)"
     if case == "spec" and not kinds <= {"full", "latent"}:
         return "speculation rolls back full-attention and latent layers only (this model decodes plainly with --spec)"
     return None
