@@ -16,7 +16,7 @@ from mlxb.commands.bench_stacks import _print_summary, _resolved_args, _run_seed
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
 
-PEERS = ("mlx-lm", "mlxb-spec-off")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
+PEERS = ("mlx-lm", "mlxb-spec-off", "mlxb-share-off")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
 
 
 @app.command("load")
@@ -26,7 +26,7 @@ def load(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
-    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) or mlxb-spec-off (mlxb serve --spec off: speculation on against off)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) mlxb-spec-off (mlxb serve --spec off: speculation on against off) or mlxb-share-off (mlxb serve --no-share-prefix: shared-prefix KV on against off)."),
     dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | agent-loop | FILE.jsonl"),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
     requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
@@ -129,7 +129,7 @@ def features(
     matrix: Path = typer.Option(Path("matrices/features.toml"), "--matrix", help="Feature matrix TOML."),
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, or mlxb-spec-off (speculation on against off)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, mlxb-spec-off (speculation on against off) or mlxb-share-off (shared-prefix KV on against off)."),
     cells: Optional[list[str]] = typer.Option(None, "--cell", help="Only these cells (repeatable)."),
     scale: float = typer.Option(1.0, "--scale", help="Multiply the matrix's prompt lengths (e.g. 0.25 on a small CPU); recorded in every row."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),
@@ -320,3 +320,59 @@ app.command("spec")(bench_self.spec_bench)
 app.command("kv")(bench_self.kv)
 app.command("lora")(bench_self.lora_bench)
 app.command("tp")(bench_self.tp_bench)
+
+
+@app.command("shared")
+@cli_errors
+def shared(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    rows: int = typer.Option(16, "--rows", min=2, help="Rows whose prompts open with one prefix."),
+    prefix: int = typer.Option(2048, "--prefix", min=2, help="Tokens of the common prefix."),
+    own: int = typer.Option(32, "--own", min=1, help="Tokens of each row's own after the prefix."),
+    gen: int = typer.Option(32, "--gen", min=2, help="Decode steps timed per arm."),
+    plain_rows: int = typer.Option(8, "--plain-rows", min=1, help="Rows of the cell with nothing in common."),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+    share_min: int = typer.Option(256, "--share-min-tokens", min=1, help="As serve's --share-min-tokens."),
+    budget_rows: float = typer.Option(0, "--budget-rows", min=0, help="Also run the engine as served under a --kv-budget "
+                                      "of this many whole rows' KV, all --rows requests sent at once: peak rows decoding "
+                                      "together, copies against sharing (0: skip)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default reports/results/)."),
+) -> None:
+    """In-process: shared-prefix KV against every row's own copy (KV bytes and decode step time), on the same
+    prompts, fresh each repeat; plus rows with nothing in common and a lone row (no regression expected)."""
+    from mlxb.bench.shared import run, summarize
+    from mlxb.bench.store import labels, write_run
+    from mlxb.cache.protocol import layer_kinds
+    from mlxb.models import load_model
+
+    m, tok, spec, _ = load_model(model, dtype)
+    with status("benchmarking shared-prefix KV ...") as st:
+        res = run(m, layer_kinds(m), rows=rows, prefix=prefix, own=own, gen=gen, plain_rows=plain_rows,
+                  repeats=repeats, share_min=share_min, vocab=min(8000, len(getattr(tok, "vocab", {})) or 8000),
+                  progress=lambda s: st.update(f"shared-prefix KV: {s}"))
+    summ = summarize(res)
+    adm = []
+    if budget_rows:
+        from mlxb.bench.shared import admission
+
+        with status("admission under one --kv-budget ...") as st:
+            adm = admission(m, tok, rows=rows, prefix=prefix, own=own, gen=gen, budget_rows=budget_rows,
+                            share_min=share_min, progress=lambda s: st.update(s))
+        res += [{"cell": "admission", **a} for a in adm]
+    lab = labels(spec.name, spec.dtype, "shared")
+    path = write_run(out or Path("reports/results"), lab, res, summ)
+    t = Table(title=f"mlxb bench shared — {spec.name} on {lab['machine_key']} (copies / shared: > 1 favours sharing)")
+    for c in ("cell", "rows", "step ms shared", "step ms copies", "step speed-up median (min-max)", "KV MB shared",
+              "KV MB copies", "KV ratio"):
+        t.add_column(c)
+    for s in summ:
+        t.add_row(s["cell"], str(s["rows"]), f"{s['step_ms_shared']:.2f}", f"{s['step_ms_copies']:.2f}",
+                  f"{s['speedup_median']:.3f} ({s['speedup_min']:.3f}-{s['speedup_max']:.3f})",
+                  f"{s['kv_bytes_shared'] / 1e6:.1f}", f"{s['kv_bytes_copies'] / 1e6:.1f}", f"{s['kv_ratio_median']:.2f}")
+    console.print(t)
+    for a in adm:
+        console.print(f"admission under --kv-budget {a['budget_bytes'] / 1e9:.2f} GB ({a['budget_rows']:g} whole rows), "
+                      f"{a['rows']} requests: {a['arm']} peaked at {a['peak_running']} rows decoding together, "
+                      f"{a['tok_s']:.1f} tok/s, peak KV {a['peak_kv_bytes'] / 1e6:.1f} MB")
+    console.print(f"rows: {path}")

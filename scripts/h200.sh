@@ -389,6 +389,13 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
         --regimes ${REGIMES:-looping,random} --batches ${BATCHES:-8} --spec-max-batch 8 --context 512 --gen ${GEN:-96} \
         --repeats ${REPEATS:-2} --out "$OUT/bench-spec-cheap$v-pass$pass.json" 2>&1 | grep -v Warning | tail -6
     done; done ;;
+  shared)  # issue 47: shared-prefix KV on the 8B: decode step and KV bytes at B=32 over a 6k-token prefix (copies vs
+           # shared, fresh prompts per repeat), then peak rows under one --kv-budget (BUDGET_ROWS whole rows)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench shared -m /var/tmp/$m --rows ${ROWS:-32} --prefix ${PREFIX:-6144} \
+      --own ${OWN:-64} --gen ${GEN:-32} --plain-rows ${PLAIN:-8} --repeats ${REPEATS:-3} --budget-rows ${BUDGET_ROWS:-4} \
+      --out "$OUT/shared" 2>&1 | grep -v Warning | tail -${TAIL:-40} ;;
   agentloop)  # issue 46: C agents x K turns with tools, mlxb serve vs mlx_lm.server, fresh text per run, mlxb's trace
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -19,7 +19,8 @@ from typing import Optional
 
 import httpx
 
-STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off")  # the last: mlxb with --spec off (speculation on against off)
+STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off", "mlxb-share-off")  # mlxb with --spec off / --no-share-prefix (on against off)
+OFF_FLAGS = {"mlxb-spec-off": ["--spec", "off"], "mlxb-share-off": ["--no-share-prefix"]}
 
 
 def free_port() -> int:
@@ -69,13 +70,12 @@ def command(stack: str, model_path: str, port: int, batch: int, prefill_step: in
 
 def _base_command(stack: str, model_path: str, port: int, batch: int, prefill_step: int, max_tokens: int,
                   prompt_cache_dir: Optional[str]) -> list[str]:
-    if stack in ("mlxb", "mlxb-spec-off"):
+    if stack == "mlxb" or stack in OFF_FLAGS:
         # NOTE: a private SSD tier per start unless one is given: a benchmark never hits an earlier run's files
         return [sys.executable, "-m", "mlxb.commands.main", "serve", "--model", model_path, "--port", str(port),
                 "--batch", str(batch), "--prefill-step-size", str(prefill_step), "--max-tokens", str(max_tokens),
                 "--log-level", "warning", "--prompt-cache-dir",
-                prompt_cache_dir or tempfile.mkdtemp(prefix="mlxb-bench-prompt-cache-")] + (
-                    ["--spec", "off"] if stack == "mlxb-spec-off" else [])
+                prompt_cache_dir or tempfile.mkdtemp(prefix="mlxb-bench-prompt-cache-")] + OFF_FLAGS.get(stack, [])
     if stack == "mlx-lm":
         return [sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(port),
                 "--decode-concurrency", str(batch), "--prefill-step-size", str(prefill_step),

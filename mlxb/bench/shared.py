@@ -1,0 +1,159 @@
+"""``mlxb bench shared``: shared-prefix KV against every row's own copy, in process, on one model.
+
+Per repeat (fresh prompts each repeat, both arms on the same prompts, arms alternated): ``rows`` rows whose
+prompts open with one ``prefix``-token prefix (plus ``own`` tokens of their own) are prefilled alone and
+joined one by one into a batch, as joiners do; then ``gen`` decode steps are timed. A second cell has rows
+with nothing in common (random prompts) at ``plain_rows`` rows: there nothing is shared and the arms should
+be level. Rows report KV bytes held by the batch after the joins, the shared bytes, and the mean decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from mlxb.cache.protocol import ROW_OPS
+from mlxb.engine.runner import Runner
+from mlxb.request import Request, SamplingParams
+
+
+def _batch(model, kinds, prompts: list, share_min: Optional[int], group: int = 8) -> Runner:
+    """Rows prefilled alone and joined ``group`` at a time (as a burst's cohorts join)."""
+    r = Runner(model, kinds, share_min=share_min)
+    if len(prompts) == 1:
+        row = r.new_row(Request("r0", prompts[0], 1 << 20, SamplingParams(), ignore_eos=True))
+        r.prefill_chunk(row, 0, len(prompts[0]) - 1, True)
+        r.join(row, r.first_token(row).token)
+        return r
+    for g in range(0, len(prompts), group):
+        rows, toks = [], []
+        for i, p in enumerate(prompts[g:g + group]):
+            row = r.new_row(Request(f"r{g + i}", p, 1 << 20, SamplingParams(), ignore_eos=True))
+            r.prefill_chunk(row, 0, len(p) - 1, True)
+            toks.append(r.first_token(row).token)
+            row.base = len(p) - r.num_steps
+            rows.append(row)
+        caches = [ROW_OPS[k].to_batch([row.solo[i] for row in rows]) for i, k in enumerate(kinds)]
+        for row in rows:
+            row.solo = []
+        r.join_cohort(caches, rows, toks, list(range(len(rows))))
+        mx.eval([c.state for c in r.caches])
+    return r
+
+
+def _cell(model, kinds, prompts: list, gen: int, share_min: Optional[int]) -> dict:
+    r = _batch(model, kinds, prompts, share_min)
+    mx.eval(r.register)
+    r.decode_step()  # the first step of this shape (not timed)
+    mx.eval(r.register)
+    t = time.perf_counter()
+    for _ in range(gen):
+        r.decode_step()
+    mx.eval(r.register)
+    step_ms = 1000 * (time.perf_counter() - t) / gen
+    sh = r.sharing.stats(r.caches, r.rows) if r.sharing is not None else {}
+    out = {"rows": len(prompts), "kv_bytes": r.kv_bytes, "shared_bytes": sh.get("shared_bytes", 0),
+           "rows_sharing": sh.get("rows_sharing", 0), "step_ms": step_ms}
+    r.drop_all()
+    return out
+
+
+def run(model, kinds, *, rows: int = 16, prefix: int = 2048, own: int = 32, gen: int = 32, plain_rows: int = 8,
+        plain_len: int = 256, repeats: int = 3, share_min: int = 256, vocab: int = 8000, seed: Optional[int] = None,
+        progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    seed = int(time.time()) if seed is None else seed
+    out = []
+    for rep in range(repeats):
+        rng = np.random.default_rng(seed + rep)  # fresh text per repeat
+        pre = rng.integers(3, vocab, size=prefix).tolist()
+        fleet = [pre + rng.integers(3, vocab, size=own).tolist() for _ in range(rows)]
+        stray = [rng.integers(3, vocab, size=plain_len).tolist() for _ in range(plain_rows)]
+        lone = [rng.integers(3, vocab, size=plain_len).tolist()]
+        for cell, prompts in (("fleet", fleet), ("unshared", stray), ("b1", lone)):
+            arms = ("shared", "copies") if rep % 2 == 0 else ("copies", "shared")
+            for arm in arms:
+                if progress:
+                    progress(f"repeat {rep + 1}/{repeats}: {cell} ({len(prompts)} rows), {arm}")
+                res = _cell(model, kinds, prompts, gen, share_min if arm == "shared" else None)
+                out.append({"cell": cell, "arm": arm, "repeat": rep, "seed": seed + rep, "prefix_tokens": prefix
+                            if cell == "fleet" else 0, "gen": gen, **res})
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per cell: medians (min, max over repeats) of shared / copies for step time and KV bytes."""
+    out = []
+    for cell in dict.fromkeys(r["cell"] for r in rows):
+        ratios = {"step": [], "kv": []}
+        for rep in sorted({r["repeat"] for r in rows if r["cell"] == cell}):
+            a = next(r for r in rows if r["cell"] == cell and r["repeat"] == rep and r["arm"] == "shared")
+            b = next(r for r in rows if r["cell"] == cell and r["repeat"] == rep and r["arm"] == "copies")
+            ratios["step"].append(b["step_ms"] / a["step_ms"])  # > 1: sharing is faster
+            ratios["kv"].append(b["kv_bytes"] / max(1, a["kv_bytes"]))  # > 1: sharing holds fewer bytes
+        pick = [r for r in rows if r["cell"] == cell]
+        out.append({"cell": cell, "rows": pick[0]["rows"], "repeats": len(ratios["step"]),
+                    "speedup_median": float(np.median(ratios["step"])), "speedup_min": min(ratios["step"]),
+                    "speedup_max": max(ratios["step"]), "kv_ratio_median": float(np.median(ratios["kv"])),
+                    "step_ms_shared": float(np.median([r["step_ms"] for r in pick if r["arm"] == "shared"])),
+                    "step_ms_copies": float(np.median([r["step_ms"] for r in pick if r["arm"] == "copies"])),
+                    "kv_bytes_shared": int(np.median([r["kv_bytes"] for r in pick if r["arm"] == "shared"])),
+                    "kv_bytes_copies": int(np.median([r["kv_bytes"] for r in pick if r["arm"] == "copies"]))})
+    return out
+
+
+def admission(model, tokenizer, *, rows: int, prefix: int, own: int, gen: int, budget_rows: float,
+              share_min: int = 256, vocab: int = 8000, seed: Optional[int] = None,
+              progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Rows decoding at once under one ``--kv-budget`` (``budget_rows`` whole rows' worth of KV), ``rows``
+    requests sharing a ``prefix``-token prefix, sent together: the engine as served (scheduler and all), copies
+    against sharing, fresh prompts per arm. Peak rows are sampled from the engine's stats while it runs."""
+    import threading
+
+    from mlxb.engine.engine import Engine
+    from mlxb.engine.stream import OutputStream
+
+    seed = int(time.time()) if seed is None else seed
+    out = []
+    for k, arm in enumerate(("copies", "shared")):
+        rng = np.random.default_rng(seed + 100 + k)
+        pre = rng.integers(3, vocab, size=prefix).tolist()
+        prompts = [pre + rng.integers(3, vocab, size=own).tolist() for _ in range(rows)]
+        eng = Engine(model, tokenizer, max_batch=rows, share_min=share_min if arm == "shared" else None)
+        budget = int(budget_rows * eng.projection.row_bytes(prefix + own + gen))
+        eng.scheduler.kv_budget = budget
+        eng.start()
+        peak, done = {"rows": 0, "kv": 0}, threading.Event()
+
+        def watch():
+            while not done.is_set():
+                s = eng.stats()
+                peak["rows"] = max(peak["rows"], len(eng.scheduler.running))
+                peak["kv"] = max(peak["kv"], s["kv_bytes"])
+                time.sleep(0.005)
+
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        t = time.perf_counter()
+        try:
+            streams = []
+            for i, p in enumerate(prompts):
+                req = Request(f"a{i}", p, gen, SamplingParams(), ignore_eos=True)
+                req.mechanism = "continuous"
+                st = OutputStream(req.request_id)
+                eng.submit(req, st)
+                streams.append(st)
+            n = sum(1 for st in streams for o in st if o.token is not None)
+        finally:
+            done.set()
+            w.join()
+            eng.shutdown()
+        wall = time.perf_counter() - t
+        if progress:
+            progress(f"admission {arm}: peak {peak['rows']} rows")
+        out.append({"arm": arm, "rows": rows, "budget_bytes": budget, "budget_rows": budget_rows,
+                    "peak_running": peak["rows"], "peak_kv_bytes": peak["kv"], "tokens": n, "wall_s": wall,
+                    "tok_s": n / wall})
+    return out
