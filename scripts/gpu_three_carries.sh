@@ -5,7 +5,8 @@
 # then on the H200, one command each, while the machine stays warm:
 #   carry .whl/a:  bash .whl/a/stash.sh   (first: it copies; .whl/e appends to what it copied)
 #   carry .whl/e:  bash .whl/e/stash.sh
-#   carry .whl/c:  bash .whl/c/stash.sh
+#   carry .whl/c:  bash .whl/c/stash.sh   (before .whl/f, which appends to it)
+#   carry .whl/f:  bash .whl/f/stash.sh
 #   carry .whl/d:  bash .whl/d/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
 # Targets that start `mlxb serve` (bench load) need the server's wheels, which the device lacks; name them to
@@ -53,4 +54,15 @@ printf '#!/usr/bin/env bash\nset -eu\ncat .whl/e/mlx_cuda.part.0b >> /var/tmp/ml
 chmod +x e/stash.sh
 sed -i 's|cat "$p0" .whl/b/mlx_cuda.part.1 > "$w"|cat "$p0" /var/tmp/mlxb-stash/mlx_cuda.part.1 .whl/b/mlx_cuda.part.2 /var/tmp/mlxb-stash/mlx_cuda.part.3 > "$w"|' b/install.sh
 grep -q 'mlx_cuda.part.3' b/install.sh || { echo "install.sh was not rewritten"; exit 3; }
-du -sh a b c d e
+# six since stop 54 (goldens of the shared case: the tree reached 34 MiB and .whl/c's 30 MB went over): part 1 goes in
+# two halves too, c (copied) then f (appended)
+split -b 15000000 -d -a 1 c/mlx_cuda.part.1 /tmp/mlx_cuda_one.
+mkdir -p f
+mv /tmp/mlx_cuda_one.0 c/mlx_cuda.part.1a
+mv /tmp/mlx_cuda_one.1 f/mlx_cuda.part.1b
+rm c/mlx_cuda.part.1
+sed -i 's|cp .whl/c/mlx_cuda.part.1 /var/tmp/mlxb-stash/|cp .whl/c/mlx_cuda.part.1a /var/tmp/mlxb-stash/mlx_cuda.part.1|' c/stash.sh
+grep -q 'part.1a' c/stash.sh || { echo "c/stash.sh was not rewritten"; exit 3; }
+printf '#!/usr/bin/env bash\nset -eu\ncat .whl/f/mlx_cuda.part.1b >> /var/tmp/mlxb-stash/mlx_cuda.part.1\necho "appended part 1b"\n' > f/stash.sh
+chmod +x f/stash.sh
+du -sh a b c d e f
