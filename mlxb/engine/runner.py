@@ -195,7 +195,11 @@ class Runner:
         cohort's batch caches and emits. ``snapshot(i, layers)`` receives row ``i``'s single-row caches
         (mlx-lm's ``extract``) after the suffixes ran, before the held-back tokens: ``len(prompt) - 1``."""
         starts = starts or [0] * len(rows)
-        caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows]) for i, k in enumerate(self.kinds)]
+        caches = None
+        if self.sharing is not None and len(rows) >= 2:  # borrowed prefixes read once, not merged as copies
+            caches = self.sharing.cohort_caches(rows, starts, self.kinds)
+        if caches is None:
+            caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows]) for i, k in enumerate(self.kinds)]
         bodies = [r.req.prompt_ids[s:-1] for r, s in zip(rows, starts)]
         if "double_last_token" in self.faults:
             bodies = [r.req.prompt_ids[s:] for r, s in zip(rows, starts)]  # planted bug: the held-back token is fed twice

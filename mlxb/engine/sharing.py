@@ -23,11 +23,21 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from mlxb.cache.dense import AlignedBatchKVCache
-from mlxb.cache.shared import SharedBatchKVCache, install, prefix_of
+from mlxb.cache.shared import SharedBatchKVCache, SharedPrefix, install, prefix_of
 
 MIN_TOKENS = 256
+
+
+def _dropped(solo: KVCache, n: int) -> KVCache:
+    """A single-row cache holding ``solo``'s tokens after its first ``n`` (views; positions are the caller's)."""
+    c = KVCache()
+    if solo.offset > n:
+        c.keys, c.values = solo.keys[..., n:solo.offset, :], solo.values[..., n:solo.offset, :]
+        c.offset = solo.offset - n
+    return c
 
 
 def common_length(a: np.ndarray, b: np.ndarray) -> int:
@@ -70,7 +80,8 @@ class Sharing:
         self.tokens: Optional[np.ndarray] = None
         self.adapter = None
         self.prefixes: Optional[list] = None  # per shared layer
-        self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0}
+        self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0, "cohorts": 0}
+        self.cohort: Optional[tuple] = None  # (tokens, adapter, prefixes) of a cohort prefilled sharing, until it joins
         install()
 
     @property
@@ -123,15 +134,28 @@ class Sharing:
         new = self._wrap(new)
         old = self._wrap(old) if old is not None else None
         self.refresh(old_rows)
+        cohort, self.cohort = self.cohort, None
+        if any(r.shared for r in new_rows):  # a cohort that prefilled reading a prefix (``cohort_caches``)
+            tokens, adapter, prefixes = cohort
+            if self.live and prefixes is not self.prefixes:  # another prefix is live: the cohort's rows made whole
+                new = [self._unshare(c) if i in self.layers else c for i, c in enumerate(new)]
+                for r in new_rows:
+                    r.shared = 0
+                self.counts["unshared"] += 1
+            elif not self.live:  # the cohort's prefix becomes the batch's
+                self.tokens, self.adapter, self.prefixes = tokens, adapter, prefixes
+                if old is not None:
+                    self._share(old, old_rows, [j for j, r in enumerate(old_rows) if self._matches(r)])
         if self.live:
-            take = [j for j, r in enumerate(new_rows) if self._matches(r)]
-            readers = sum(1 for r in old_rows if r.shared)
-            if readers + len(take) >= 2 or not take and readers >= 2:
+            take = [j for j, r in enumerate(new_rows) if not r.shared and self._matches(r)]
+            readers = sum(1 for r in old_rows if r.shared) + sum(1 for r in new_rows if r.shared)
+            if readers + len(take) >= 2:
                 self._share(new, new_rows, take)
                 return old, new
-            if readers:  # one reader left: a better plan may replace it
-                old = [self._unshare(c) if i in self.layers else c for i, c in enumerate(old)]
-                for r in old_rows:
+            if readers:  # one reader left: every row made whole, and a better plan may replace the prefix
+                old = None if old is None else [self._unshare(c) if i in self.layers else c for i, c in enumerate(old)]
+                new = [self._unshare(c) if i in self.layers else c for i, c in enumerate(new)]
+                for r in list(old_rows) + list(new_rows):
                     r.shared = 0
                 self.tokens, self.prefixes, self.adapter = None, None, None
                 self.counts["unshared"] += 1
@@ -150,6 +174,52 @@ class Sharing:
             self._share(old, old_rows, [i for i in picked if i < len(old_rows)])
         self._share(new, new_rows, [i - len(old_rows) for i in picked if i >= len(old_rows)])
         return old, new
+
+    def cohort_caches(self, rows: list, starts: list[int], kinds: list) -> Optional[list]:
+        """A cohort about to prefill (rows whose solo caches hold ``starts[i]`` cached tokens): the batch caches
+        with the rows that open alike reading one prefix (the live one where they open with it, else the longest
+        worth sharing among their cached tokens), so its forward reads the prefix once and the merge copies only
+        their own tokens. None: nothing to share (the caller merges copies as before)."""
+        from mlxb.cache.protocol import ROW_OPS
+
+        if self.live:
+            P = self.tokens.size
+            take = [i for i, r in enumerate(rows) if starts[i] >= P and self._matches(r)]
+            prefixes, tokens, adapter = self.prefixes, self.tokens, self.adapter
+        else:
+            P, take = plan([np.asarray(r.req.prompt_ids[:s], dtype=np.int64) for r, s in zip(rows, starts)],
+                           [r.req.adapter for r in rows], self.min_tokens)
+            if len(take) < 2:
+                return None
+            src = rows[take[0]].solo
+            prefixes = [SharedPrefix(mx.contiguous(src[i].keys[..., :P, :]), mx.contiguous(src[i].values[..., :P, :]))
+                        for i in self.layers]
+            tokens, adapter = np.asarray(rows[take[0]].req.prompt_ids[:P], dtype=np.int64), rows[take[0]].req.adapter
+        if not take or any(type(rows[i].solo[j]) is not KVCache for i in take for j in self.layers):
+            return None
+        flags = [i in take for i in range(len(rows))]
+        caches = []
+        for j, kind in enumerate(kinds):
+            solos = [r.solo[j] for r in rows]
+            if j not in self.layers:
+                caches.append(ROW_OPS[kind].to_batch(solos))
+                continue
+            own = [_dropped(s, P) if f else s for s, f in zip(solos, flags)]
+            c = AlignedBatchKVCache.merge(own) if any(o.size() for o in own) else AlignedBatchKVCache([0] * len(own))
+            c = SharedBatchKVCache.wrap(c)
+            c.offset = c.offset + mx.array([P if f else 0 for f in flags])
+            c.share, c.prefix = flags, prefixes[self.layers.index(j)]
+            c.offset_fault = self.offset_fault
+            if self.offset_fault:
+                c.offset = c.offset - mx.array([self.offset_fault if f else 0 for f in flags])
+            caches.append(c)
+        self.cohort = (tokens, adapter, prefixes)
+        for i in take:
+            rows[i].shared = P
+        self.counts["rows_shared"] += len(take)
+        self.counts["prefixes"] += 0 if self.live else 1
+        self.counts["cohorts"] += 1
+        return caches
 
     def _share(self, caches: list, rows: list, take: list[int]) -> None:
         if not take:

@@ -69,3 +69,42 @@ def test_admission_fits_more_rows_under_one_budget_once_a_prefix_is_shared(tiny_
     _, _, on, stats = _serve(model, tok, ps, 64, max_tokens=16, kv_budget=budget, delays=[0] * len(ps))
     assert off["rows"] <= 2
     assert on["rows"] >= 4, (on, stats)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_a_cohort_prefills_over_one_prefix_with_the_prompt_cache(name, tiny_models):
+    """Bursts that share a 400-token prefix, prompt cache on: followers start from the leader's snapshot, and the
+    cohort that prefills their suffixes reads the prefix once (``Sharing.cohort_caches``) instead of merging
+    copies; tokens as with copies, logits to the last bits."""
+    from mlxb.cache.prompt_cache import PromptCache
+
+    model, tok, _, _ = tiny_models(name)
+    rng = np.random.default_rng(1)
+    pre = rng.integers(3, 8000, size=400).tolist()
+    waves = [[pre + rng.integers(3, 8000, size=int(n)).tolist() for n in rng.integers(5, 40, size=5)]
+             for _ in range(2)]
+    res = {}
+    for share_min in (None, 64):
+        caps = {}
+        eng = Engine(model, tok, max_batch=8, share_min=share_min,
+                     capture=lambda rid, s, t, v, g: caps.__setitem__((rid, s), v.copy()))
+        eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+        eng.start()
+        try:
+            toks = []
+            for w, ps in enumerate(waves):
+                streams = []
+                for i, p in enumerate(ps):
+                    req = Request(f"w{w}r{i}", p, 12)
+                    req.mechanism = "continuous"
+                    st = OutputStream(req.request_id)
+                    eng.submit(req, st)
+                    streams.append(st)
+                toks += [[o.token for o in st if o.token is not None] for st in streams]
+            counts = dict(eng.runner.sharing.counts) if eng.runner.sharing else None
+        finally:
+            eng.shutdown()
+        res[share_min] = (toks, caps, counts)
+    assert res[64][2]["cohorts"] >= 1 and res[64][2]["rows_shared"] >= 8
+    assert res[64][0] == res[None][0]
+    assert max(float(np.abs(res[64][1][k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
