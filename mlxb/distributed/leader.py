@@ -58,8 +58,9 @@ class TPRunner(Runner):
     """Rank 0's runner: each call is sent to the other ranks before it runs here."""
 
     def __init__(self, model, kinds, *, link: Link, lora_recipes: Optional[list] = None, **kw):
+        kw.pop("share_min", None)  # shared-prefix KV is not mirrored (its start-up probe would run on rank 0 alone)
         super().__init__(model, kinds, **kw)
-        self.sharing, self.sharing_off = None, "--tp: every rank keeps its rows' own copies"
+        self.sharing_off = "--tp: every rank keeps its rows' own copies"
         self.pipeline_verify = False  # the followers mirror each verify step as rank 0 tells it, in order
         self.link = link
         self.share = link.share

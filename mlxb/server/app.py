@@ -354,7 +354,9 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
         return JSONResponse({"model": gw.model_name, "batch": batch,
                              "prompt_cache": ({**s["prompt_cache"], "reply_ids": gw.replies.stats()}
                                               if isinstance(s["prompt_cache"], dict) and gw.replies else s["prompt_cache"]),
-                             "engine": {k: v for k, v in s.items() if k not in batch and k != "prompt_cache"},
+                             "shared_prefix": s["shared_prefix"],
+                             "engine": {k: v for k, v in s.items() if k not in batch and k not in ("prompt_cache",
+                                                                                                  "shared_prefix")},
                              "uptime_s": round(time.time() - started, 3), "alive": gw.engine.alive})
 
     async def metrics_route(request: Request):
