@@ -46,6 +46,11 @@ class SharedPrefix:
 
     keys: mx.array  # [1, H, P, Dk]
     values: mx.array  # [1, H, P, Dv]
+    values32: Optional[mx.array] = None  # the values in float32 for the weighted sum (half-precision models)
+
+    def __post_init__(self):
+        if self.values.dtype != mx.float32:  # made once here, not cast again at every step
+            self.values32 = mx.contiguous(self.values.astype(mx.float32))
 
     @property
     def n(self) -> int:
@@ -53,11 +58,12 @@ class SharedPrefix:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes + (self.values32.nbytes if self.values32 is not None else 0)
 
 
 class SharedKV(tuple):
-    """(own [B, H, T, D], prefix [1, H, P, D], share [B] bool): what a shared layer hands attention."""
+    """(own [B, H, T, D], prefix [1, H, P, D], share [B] bool or None when every row shares): what a shared
+    layer hands attention."""
 
 
 class SharedBatchKVCache(AlignedBatchKVCache):
@@ -81,7 +87,10 @@ class SharedBatchKVCache(AlignedBatchKVCache):
     def sharing(self) -> bool:
         return self.prefix is not None and any(self.share)
 
-    def _flags(self) -> mx.array:
+    def _flags(self) -> Optional[mx.array]:
+        """The rows' flags as an array, or None when every row reads the prefix (no mask to apply)."""
+        if all(self.share):
+            return None
         if self._share_arr is None or self._share_arr.shape[0] != len(self.share):
             self._share_arr = mx.array(self.share, dtype=mx.bool_)
         return self._share_arr
@@ -91,7 +100,8 @@ class SharedBatchKVCache(AlignedBatchKVCache):
         if not self.sharing:
             return k, v
         flags = self._flags()
-        return SharedKV((k, self.prefix.keys, flags)), SharedKV((v, self.prefix.values, flags))
+        vp = self.prefix.values if self.prefix.values32 is None else self.prefix.values32
+        return SharedKV((k, self.prefix.keys, flags)), SharedKV((v, vp, flags))
 
     # ---- sharing ---------------------------------------------------------------------------
     def share_rows(self, rows: list[int], prefix: SharedPrefix) -> None:
@@ -177,40 +187,40 @@ def prefix_of(c: AlignedBatchKVCache, row: int, n: int) -> SharedPrefix:
 # ---- attention -----------------------------------------------------------------------------
 def cascade_attention(q: mx.array, keys: SharedKV, values: SharedKV, scale: float, mask=None,
                       merge_fault: bool = False) -> mx.array:
-    """Attention of ``q`` [B, Hq, N, D] over a shared prefix (rows with their flag set) and each row's own
-    keys (``mask``: None, "causal" or the own keys' [B, 1|Hq, N, T] mask), as one softmax per row.
-    ``merge_fault`` (parity negative control only): the two blocks normalised apart and summed, the
-    log-sum-exp weighting dropped."""
+    """Attention of ``q`` [B, Hq, N, D] over a shared prefix (rows with their flag set; every row when the flags
+    are None) and each row's own keys (``mask``: None, "causal" or the own keys' [B, 1|Hq, N, T] mask), as one
+    softmax per row. The prefix operand is broadcast over the rows (one [1, H, P, D] array, stride 0), so the
+    products read it once per step whatever the number of rows. ``merge_fault`` (parity negative control
+    only): the two blocks normalised apart and summed, the log-sum-exp weighting dropped."""
     ks, kp, share = keys
     vs, vp = values[0], values[1]
     B, Hq, N, D = q.shape
     H, T, P = ks.shape[1], ks.shape[2], kp.shape[2]
     G = Hq // H
     dt = q.dtype
-    q = (q * mx.array(scale, dtype=dt)).reshape(B, H, G, N, D)
-    # one product for every row's queries against the prefix: [H, B*G*N, D] @ [H, D, P]
-    qp = q.transpose(1, 0, 2, 3, 4).reshape(H, B * G * N, D)
-    sp = (qp @ kp[0].swapaxes(-1, -2)).reshape(H, B, G, N, P).transpose(1, 0, 2, 3, 4)
+    q = (q * mx.array(scale, dtype=dt)).reshape(B, H, G * N, D)
     low = mx.array(mx.finfo(dt).min, dtype=dt)
-    sp = mx.where(share[:, None, None, None, None], sp, low)
-    ss = q @ ks[:, :, None].swapaxes(-1, -2)  # [B, H, G, N, T]
+    sp = q @ kp.swapaxes(-1, -2)  # [B, H, G*N, P]
+    if share is not None:
+        sp = mx.where(share[:, None, None, None], sp, low)
+    ss = q @ ks.swapaxes(-1, -2)  # [B, H, G*N, T]
     if isinstance(mask, str):
-        qi, ki = mx.arange(T - N, T), mx.arange(T)
-        mask = qi[:, None] >= ki[None]
+        mask = (mx.arange(T - N, T)[:, None] >= mx.arange(T)[None])[None, None]
     if mask is not None:
-        if mask.ndim == 4:
-            mask = mask.reshape(mask.shape[0], H, G, N, T) if mask.shape[1] == Hq else mx.expand_dims(mask, 2)
-        ss = mx.where(mask, ss, low) if mask.dtype == mx.bool_ else ss + mask.astype(dt)
+        m = mask.reshape(mask.shape[0], H, G, N, T) if mask.shape[1] == Hq else mx.expand_dims(mask, 2)
+        ss = ss.reshape(B, H, G, N, T)
+        ss = (mx.where(m, ss, low) if m.dtype == mx.bool_ else ss + m.astype(dt)).reshape(B, H, G * N, T)
     if merge_fault:
         pp, ps = mx.softmax(sp, axis=-1, precise=True), mx.softmax(ss, axis=-1, precise=True)
     else:
         probs = mx.softmax(mx.concatenate([sp, ss], axis=-1), axis=-1, precise=True)
         pp, ps = probs[..., :P], probs[..., P:]
-    # the two partial sums in float32, rounded to the input dtype once, as the single product over copies is
-    f32 = mx.float32
-    own = pp.astype(f32).transpose(1, 0, 2, 3, 4).reshape(H, B * G * N, P) @ vp[0].astype(f32)  # [H, B*G*N, Dv]
-    out = own.reshape(H, B, G, N, -1).transpose(1, 0, 2, 3, 4) + ps.astype(f32) @ vs[:, :, None].astype(f32)
-    return out.reshape(B, Hq, N, -1).astype(dt)
+    if dt == mx.float32:
+        out = pp @ vp + ps @ vs
+    else:  # the two partial sums in float32, rounded to the input dtype once, as the single product over copies is
+        f32 = mx.float32
+        out = (pp.astype(f32) @ vp.astype(f32) + ps.astype(f32) @ vs.astype(f32)).astype(dt)  # vp: float32 already
+    return out.reshape(B, Hq, N, -1)
 
 
 _PREVIOUS = None
