@@ -29,6 +29,21 @@ from mlxb.cache.dense import AlignedBatchKVCache
 from mlxb.cache.shared import SharedBatchKVCache, SharedPrefix, install, prefix_of
 
 MIN_TOKENS = 256
+# On GPU backends the cascade is several kernels per layer where MLX's fused attention over copies is one: on an
+# H100 (synth-llama-8b bf16, reports/h200/session54) its first version was 0.63x of copies at 4 rows x 1k tokens
+# and 0.64x at 8 x 2k (7 x 2k = 14k row-tokens saved), 1.20x at 16 x 4k (60k saved) and 1.40x at 32 x 6k (190k).
+# So a new prefix there must save at least this many row-tokens, (rows - 1) x P; on the CPU, where MLX's attention
+# is the same unfused path, any saving counts. MLXB_SHARE_MIN_SAVED overrides it.
+GPU_MIN_SAVED = 49152
+
+
+def min_saved_default() -> int:
+    import os
+
+    env = os.environ.get("MLXB_SHARE_MIN_SAVED")
+    if env is not None:
+        return max(0, int(env))
+    return 0 if mx.default_device() == mx.cpu else GPU_MIN_SAVED
 
 
 def _dropped(solo: KVCache, n: int) -> KVCache:
@@ -46,9 +61,10 @@ def common_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(d[0]) if d.size else n
 
 
-def plan(prompts: list, adapters: list, min_tokens: int) -> tuple[int, list[int]]:
+def plan(prompts: list, adapters: list, min_tokens: int, min_saved: int = 0) -> tuple[int, list[int]]:
     """(P, rows): the prefix length and the rows (indices, two or more) that should share it, or (0, []).
-    ``prompts[i]``: row i's shareable token ids (its prompt less the last token, which it must hold)."""
+    ``prompts[i]``: row i's shareable token ids (its prompt less the last token, which it must hold); a plan
+    must save at least ``min_saved`` row-tokens, P x (rows - 1)."""
     order = sorted(range(len(prompts)), key=lambda i: (str(adapters[i]), prompts[i].tolist()))
     lcp = [common_length(prompts[a], prompts[b]) if adapters[a] == adapters[b] else 0
            for a, b in zip(order, order[1:])]
@@ -64,7 +80,7 @@ def plan(prompts: list, adapters: list, min_tokens: int) -> tuple[int, list[int]
                 j += 1
             P = min(lcp[i:j])
             rows = order[i:j + 1]
-            if P * (len(rows) - 1) > best[0]:
+            if P * (len(rows) - 1) > best[0] and P * (len(rows) - 1) >= min_saved:
                 best = (P * (len(rows) - 1), P, sorted(rows))
             i = j
     return best[1], best[2]
@@ -73,9 +89,11 @@ def plan(prompts: list, adapters: list, min_tokens: int) -> tuple[int, list[int]
 class Sharing:
     """The runner's shared prefix: its tokens, the per-layer copies, and what it has done (``stats``)."""
 
-    def __init__(self, kinds: list, min_tokens: int = MIN_TOKENS, offset_fault: int = 0):
+    def __init__(self, kinds: list, min_tokens: int = MIN_TOKENS, offset_fault: int = 0,
+                 min_saved: Optional[int] = None):
         self.layers = [i for i, k in enumerate(kinds) if k == "full"]
         self.min_tokens = max(1, min_tokens)
+        self.min_saved = min_saved_default() if min_saved is None else min_saved
         self.offset_fault = offset_fault  # parity negative control only
         self.tokens: Optional[np.ndarray] = None
         self.adapter = None
@@ -160,7 +178,7 @@ class Sharing:
                 self.tokens, self.prefixes, self.adapter = None, None, None
                 self.counts["unshared"] += 1
         rows = list(old_rows) + list(new_rows)
-        P, picked = plan([self._body(r) for r in rows], [r.req.adapter for r in rows], self.min_tokens)
+        P, picked = plan([self._body(r) for r in rows], [r.req.adapter for r in rows], self.min_tokens, self.min_saved)
         if not picked:
             return old, new
         src = picked[0]
@@ -188,7 +206,7 @@ class Sharing:
             prefixes, tokens, adapter = self.prefixes, self.tokens, self.adapter
         else:
             P, take = plan([np.asarray(r.req.prompt_ids[:s], dtype=np.int64) for r, s in zip(rows, starts)],
-                           [r.req.adapter for r in rows], self.min_tokens)
+                           [r.req.adapter for r in rows], self.min_tokens, self.min_saved)
             if len(take) < 2:
                 return None
             src = rows[take[0]].solo
@@ -244,6 +262,7 @@ class Sharing:
             "layers": len(self.layers),
             "prefix_tokens": int(self.tokens.size) if self.live else 0,
             "rows_sharing": readers,
+            "min_saved_row_tokens": self.min_saved,
             "shared_bytes": shared,
             "bytes_saved": shared * max(0, readers - 1),
             **self.counts,

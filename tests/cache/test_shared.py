@@ -132,3 +132,11 @@ def test_the_probe_turns_sharing_off_where_attention_is_computed_by_hand():
     assert "cannot read a shared layer" in probe(g, layer_kinds(g))
     m = llama.Model(llama.ModelArgs("llama", 32, 2, 64, 4, 1e-6, 64, 2))
     assert probe(m, layer_kinds(m)) is None
+
+
+def test_a_plan_must_save_enough_where_the_backend_asks_for_it():
+    rng = np.random.default_rng(1)
+    pre = rng.integers(0, 999, 300)
+    rows = [np.concatenate([pre, rng.integers(0, 999, 10)]) for _ in range(4)]
+    assert plan(rows, [None] * 4, 64, min_saved=900)[1] == [0, 1, 2, 3]  # 300 x 3 saved
+    assert plan(rows, [None] * 4, 64, min_saved=901) == (0, [])
