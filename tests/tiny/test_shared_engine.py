@@ -39,7 +39,7 @@ def _serve(model, tok, prompts, share_min, max_tokens=20, delays=None, **kw):
             eng.submit(req, st)
             streams.append(st)
         toks = [[o.token for o in st if o.token is not None] for st in streams]
-        stats = eng.stats()["shared_prefix"]
+        stats = {**eng.stats()["shared_prefix"], "verify_steps": eng.runner.spec_counts["verify_steps"]}
     finally:
         eng.shutdown()
     return toks, caps, peak, stats
@@ -106,5 +106,27 @@ def test_a_cohort_prefills_over_one_prefix_with_the_prompt_cache(name, tiny_mode
             eng.shutdown()
         res[share_min] = (toks, caps, counts)
     assert res[64][2]["cohorts"] >= 1 and res[64][2]["rows_shared"] >= 8
+    assert res[64][0] == res[None][0]
+    assert max(float(np.abs(res[64][1][k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
+
+
+def test_speculative_verify_steps_read_the_shared_prefix(tiny_models):
+    """Prompt lookup with fixed drafts over rows that share a prefix: verify steps (several queries per row, causal
+    over the own keys, rejected entries as holes) through the cascade give the tokens of the same run with copies."""
+    from mlxb.spec.verify import SpecConfig
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    rng = np.random.default_rng(5)
+    pre = rng.integers(3, 8000, size=300).tolist()
+    ps = []
+    for _ in range(5):
+        seg = rng.integers(3, 8000, size=5).tolist()
+        ps.append(pre + seg * 4 + rng.integers(3, 8000, size=3).tolist())  # repeats: lookup drafts from the start
+    res = {}
+    for share_min in (None, 64):
+        spec = SpecConfig("lookup", 4, 3, max_batch=8, adaptive=False)
+        toks, caps, _, stats = _serve(model, tok, ps, share_min, max_tokens=24, spec=spec)
+        res[share_min] = (toks, caps, stats)
+    assert res[64][2]["rows_shared"] >= 4 and res[64][2]["verify_steps"] > 0
     assert res[64][0] == res[None][0]
     assert max(float(np.abs(res[64][1][k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
