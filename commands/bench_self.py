@@ -1,5 +1,6 @@
-"""`mlxb bench spec` and `mlxb bench kv`: our engine against itself in one process (speculation against
-plain decoding; quantized KV against full width), results as labelled JSON under reports/results/."""
+"""`mlxb bench spec`, `kv` and `shared`: our engine against itself in one process (speculation against plain
+decoding; quantized KV against full width; shared-prefix KV against copies), results as labelled JSON (Parquet for
+``shared``) under reports/results/."""
 
 import json
 import time
@@ -264,3 +265,58 @@ def tp_bench(
         console.print(f"all_sum [B={c['B']}, 1, {hidden}] ({c['bytes']} bytes): {c['one_ms']:.3f} ms each, "
                       f"{c['per_step_ms']:.2f} ms per decode step ({c['reduces_per_step']} reductions)")
     _write(res, f"tp{tp}", spec, out)
+
+
+@cli_errors
+def shared(
+    model: ModelOpt = None,
+    dtype: DtypeOpt = None,
+    rows: int = typer.Option(16, "--rows", min=2, help="Rows whose prompts open with one prefix."),
+    prefix: int = typer.Option(2048, "--prefix", min=2, help="Tokens of the common prefix."),
+    own: int = typer.Option(32, "--own", min=1, help="Tokens of each row's own after the prefix."),
+    gen: int = typer.Option(32, "--gen", min=2, help="Decode steps timed per arm."),
+    plain_rows: int = typer.Option(8, "--plain-rows", min=1, help="Rows of the cell with nothing in common."),
+    repeats: int = typer.Option(3, "--repeats", min=1),
+    share_min: int = typer.Option(256, "--share-min-tokens", min=1, help="As serve's --share-min-tokens."),
+    budget_rows: float = typer.Option(0, "--budget-rows", min=0, help="Also run the engine as served under a --kv-budget "
+                                      "of this many whole rows' KV, all --rows requests sent at once: peak rows decoding "
+                                      "together, copies against sharing (0: skip)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default reports/results/)."),
+) -> None:
+    """In-process: shared-prefix KV against every row's own copy (KV bytes and decode step time), on the same
+    prompts, fresh each repeat; plus rows with nothing in common and a lone row (no regression expected)."""
+    from mlxb.bench.shared import run, summarize
+    from mlxb.bench.store import labels, write_run
+    from mlxb.cache.protocol import layer_kinds
+    from mlxb.models import load_model
+
+    m, tok, spec, _ = load_model(model, dtype)
+    with status("benchmarking shared-prefix KV ...") as st:
+        res = run(m, layer_kinds(m), rows=rows, prefix=prefix, own=own, gen=gen, plain_rows=plain_rows,
+                  repeats=repeats, share_min=share_min, vocab=min(8000, len(getattr(tok, "vocab", {})) or 8000),
+                  progress=lambda s: st.update(f"shared-prefix KV: {s}"))
+    summ = summarize(res)
+    adm = []
+    if budget_rows:
+        from mlxb.bench.shared import admission
+
+        with status("admission under one --kv-budget ...") as st:
+            adm = admission(m, tok, rows=rows, prefix=prefix, own=own, gen=gen, budget_rows=budget_rows,
+                            share_min=share_min, progress=lambda s: st.update(s))
+        res += [{"cell": "admission", **a} for a in adm]
+    lab = labels(spec.name, spec.dtype, "shared")
+    path = write_run(out or Path("reports/results"), lab, res, summ)
+    t = Table(title=f"mlxb bench shared — {spec.name} on {lab['machine_key']} (copies / shared: > 1 favours sharing)")
+    for c in ("cell", "rows", "step ms shared", "step ms copies", "step speed-up median (min-max)", "KV MB shared",
+              "KV MB copies", "KV ratio"):
+        t.add_column(c)
+    for s in summ:
+        t.add_row(s["cell"], str(s["rows"]), f"{s['step_ms_shared']:.2f}", f"{s['step_ms_copies']:.2f}",
+                  f"{s['speedup_median']:.3f} ({s['speedup_min']:.3f}-{s['speedup_max']:.3f})",
+                  f"{s['kv_bytes_shared'] / 1e6:.1f}", f"{s['kv_bytes_copies'] / 1e6:.1f}", f"{s['kv_ratio_median']:.2f}")
+    console.print(t)
+    for a in adm:
+        console.print(f"admission under --kv-budget {a['budget_bytes'] / 1e9:.2f} GB ({a['budget_rows']:g} whole rows), "
+                      f"{a['rows']} requests: {a['arm']} peaked at {a['peak_running']} rows decoding together, "
+                      f"{a['tok_s']:.1f} tok/s, peak KV {a['peak_kv_bytes'] / 1e6:.1f} MB")
+    console.print(f"rows: {path}")
