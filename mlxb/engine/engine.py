@@ -118,7 +118,8 @@ class Engine:
             return {}
         r = self.runner
         return {"shared_tokens": sh.covers, "shared_bytes": self.projection.shared_bytes,
-                "prefix_bytes": lambda: sh.prefix_bytes(r.caches if r.merged else None)}
+                "prefix_bytes": lambda: sh.prefix_bytes(r.caches if r.merged else None),
+                "sharing_version": lambda: sh.version}
 
     # ---- caller side -----------------------------------------------------------------------
     @property

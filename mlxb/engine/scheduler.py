@@ -36,8 +36,10 @@ the runner snapshots it alone, out of any cohort, and the follower starts from t
 One memory ceiling: ``kv_budget`` covers live rows' projected bytes plus the prompt cache's RAM
 bytes (``cache_bytes()``); admission evicts cache entries (``evict_cache(n)``) before it ever
 queues a row for memory. Shared-prefix KV: a live shared prefix is charged once (``prefix_bytes()``), and a
-request its tokens open is charged only for what it holds itself (``shared_tokens(req)`` tokens fewer in the
-layers that share). Rows admitted before a prefix forms were charged their whole prompt (over, never under).
+running row whose prompt it opens is charged only for what it holds itself (``shared_tokens(req)`` tokens
+fewer in the layers that share). A row is charged whole while it prefills (its own caches hold the prefix
+until it joins the batch and drops it), and running rows are charged again at each iteration's admission
+(cheap: ``shared_tokens`` is asked once per row and prefix, ``sharing_version``).
 
 Snapshot marks: a chunk also ends at each of the request's ``snapshot_at`` prompt lengths (set only where
 the cache keeps exact snapshots), so a later prompt that shares that prefix finds a snapshot there.
@@ -73,6 +75,7 @@ class Scheduler:
         shared_tokens: Callable[[Request], int] = lambda req: 0,
         shared_bytes: Callable[[int], int] = lambda n: 0,
         prefix_bytes: Callable[[], int] = lambda: 0,
+        sharing_version: Callable[[], int] = lambda: 0,
     ):
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
@@ -97,12 +100,21 @@ class Scheduler:
         # shared-prefix KV: prompt tokens a live shared prefix covers for a request, their bytes per row, and
         # the live prefix's own bytes (charged once, whatever the number of rows that read it)
         self.shared_tokens, self.shared_bytes, self.prefix_bytes = shared_tokens, shared_bytes, prefix_bytes
+        self.sharing_version = sharing_version
+        self._shared_memo: dict = {}  # request id -> (sharing version, tokens the live prefix serves it)
 
     # ---- admission -------------------------------------------------------------------------
-    def projected_bytes(self, req: Request, shared: bool = True) -> int:
-        """A row's worst-case KV bytes; with ``shared``, less what it will read from a live shared prefix."""
-        own = self.row_bytes(req.num_prompt_tokens + req.max_tokens)
-        return own - self.shared_bytes(self.shared_tokens(req)) if shared else own
+    def projected_bytes(self, req: Request, shared: bool = False) -> int:
+        """A row's worst-case KV bytes; with ``shared``, less what it reads from the live shared prefix (asked
+        once per row and prefix)."""
+        if not shared:
+            return self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+        v = self.sharing_version()
+        memo = self._shared_memo.get(req.request_id)
+        if memo is None or memo[0] != v:
+            whole = self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+            memo = self._shared_memo[req.request_id] = (v, whole - self.shared_bytes(self.shared_tokens(req)))
+        return memo[1]
 
     def check(self, req: Request) -> None:
         """Raise if ``req`` can never run; otherwise return (it may still have to wait)."""
@@ -181,7 +193,16 @@ class Scheduler:
         return iteration_budget(len(self.waiting) + len(self.prefilling), len(self.running), self.prefill_chunk,
                                 self.prefill_burst)
 
+    def _reproject(self) -> None:
+        """Running rows that read the live prefix pay their own tokens; every other admitted row pays whole."""
+        for req in self.running:
+            if req.request_id in self._projected:
+                self._projected[req.request_id] = self.projected_bytes(req, shared=True)
+        for rid in [k for k in self._shared_memo if k not in self._projected]:
+            del self._shared_memo[rid]
+
     def schedule(self) -> SchedulerOutput:
+        self._reproject()
         out = SchedulerOutput()
         budget = self.iteration_budget()
         i = 0

@@ -95,7 +95,8 @@ class Sharing:
         self.min_tokens = max(1, min_tokens)
         self.min_saved = min_saved_default() if min_saved is None else min_saved
         self.offset_fault = offset_fault  # parity negative control only
-        self.tokens: Optional[np.ndarray] = None
+        self._tokens: Optional[np.ndarray] = None
+        self.version = 0  # changes whenever the live prefix does (admission charges rows again)
         self.adapter = None
         self.prefixes: Optional[list] = None  # per shared layer
         self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0, "cohorts": 0}
@@ -103,8 +104,18 @@ class Sharing:
         install()
 
     @property
+    def tokens(self) -> Optional[np.ndarray]:
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: Optional[np.ndarray]) -> None:
+        if value is not self._tokens:
+            self.version += 1
+        self._tokens = value
+
+    @property
     def live(self) -> bool:
-        return self.tokens is not None
+        return self._tokens is not None
 
     def _wrap(self, caches: list) -> list:
         out = list(caches)

@@ -117,10 +117,34 @@ def test_admission_charges_a_live_prefix_once():
     s = Scheduler(max_batch=16, kv_budget=10 ** 6, row_bytes=proj.row_bytes, shared_bytes=proj.shared_bytes,
                   shared_tokens=lambda req: 900 if live["on"] else 0, prefix_bytes=lambda: 90_000 if live["on"] else 0)
     req = Request("a", list(range(1000)), 24)
-    assert s.projected_bytes(req) == 1024 * 100 + 80
+    assert s.projected_bytes(req, shared=True) == 1024 * 100 + 80
     live["on"] = True
-    assert s.projected_bytes(req) == 124 * 100 + 80 and s.used_bytes == 90_000
-    assert s.projected_bytes(req, shared=False) == 1024 * 100 + 80  # "can it ever fit" keeps the whole row
+    s.sharing_version = lambda: 1
+    assert s.projected_bytes(req, shared=True) == 124 * 100 + 80 and s.used_bytes == 90_000
+    assert s.projected_bytes(req) == 1024 * 100 + 80  # admission, prefill and "can it ever fit": the whole row
+
+
+def test_rows_admitted_before_a_prefix_formed_are_charged_again_when_it_forms():
+    proj = KVProjection((LayerBytes("full", 100),))
+    state = {"live": False, "version": 0}
+    s = Scheduler(max_batch=8, kv_budget=250_000, row_bytes=proj.row_bytes, shared_bytes=proj.shared_bytes,
+                  shared_tokens=lambda req: 900 if state["live"] else 0,
+                  prefix_bytes=lambda: 90_000 if state["live"] else 0, sharing_version=lambda: state["version"])
+    for i in range(4):
+        s.add(Request(f"r{i}", list(range(1000)), 24))
+    out = s.schedule()
+    assert len(out.admitted) == 2  # 2 x 102,400 whole rows fit in 250,000; a third would not
+    for c in out.prefills:
+        s.on_prefill_chunk(c)
+    for rid in out.admitted:  # their cohort joins the batch and reads one prefix
+        s.on_joined(rid)
+    state.update(live=True, version=1)
+    out = s.schedule()
+    assert out.admitted == ["r2"]  # memory allows it now (this iteration's prompt tokens end with its chunk)
+    assert s.used_bytes == 90_000 + 2 * 12_400 + 102_400  # running rows pay their own tokens; r2 prefills whole
+    state.update(live=False, version=2)  # freed with its last reader: whole rows again
+    s.schedule()
+    assert s.used_bytes == 3 * 102_400
 
 
 def test_the_probe_turns_sharing_off_where_attention_is_computed_by_hand():
