@@ -8,7 +8,7 @@ import pytest
 
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
-from mlxb.request import Request
+from mlxb.request import Request, SamplingParams
 
 
 def _fleet(n=5, prefix=300, seed=0):
@@ -130,3 +130,75 @@ def test_speculative_verify_steps_read_the_shared_prefix(tiny_models):
     assert res[64][2]["rows_shared"] >= 4 and res[64][2]["verify_steps"] > 0
     assert res[64][0] == res[None][0]
     assert max(float(np.abs(res[64][1][k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
+
+
+def test_rows_of_different_adapters_never_read_one_prefix(tmp_path):
+    """LoRA: rows of adapters x, x, none, y, x over one prompt prefix. Only rows of one adapter may share (the
+    prefix's KV depends on the adapter); tokens and logits as with copies."""
+    from mlxb.adapters.lora import install, read_adapter
+    from mlxb.models import load_model
+    from mlxb.models.adapters import build_adapter
+
+    build_adapter(load_model("tiny-llama")[0], tmp_path / "x", rank=8, seed=1)
+    build_adapter(load_model("tiny-llama")[0], tmp_path / "y", rank=4, seed=2)
+    rng = np.random.default_rng(9)
+    pre = rng.integers(5, 8000, size=300).tolist()
+    slots = [0, 0, -1, 1, 0]
+    prompts = [pre + rng.integers(5, 8000, size=int(n)).tolist() for n in (7, 12, 5, 9, 20)]
+    res = {}
+    for share_min in (None, 64):
+        model, tok, *_ = load_model("tiny-llama")
+        install(model, [read_adapter("x", str(tmp_path / "x")), read_adapter("y", str(tmp_path / "y"))])
+        caps, most = {}, {"rows_sharing": 0}
+        eng = Engine(model, tok, max_batch=8, share_min=share_min,
+                     capture=lambda rid, s, t, v, g: caps.__setitem__((rid, s), v.copy()))
+        for i, (p, slot) in enumerate(zip(prompts, slots)):
+            eng.accept(Request(f"r{i}", p, 10, SamplingParams(), ignore_eos=True, adapter=slot), OutputStream(f"r{i}"))
+        while eng._live:
+            eng.iterate()
+            sh = eng.stats()["shared_prefix"]
+            if sh.get("rows_sharing", 0) > most["rows_sharing"]:
+                most = dict(sh, adapters=sorted({r.req.adapter for r in eng.runner.rows if r.shared}))
+        res[share_min] = (caps, most)
+    assert res[64][1]["rows_sharing"] >= 2 and len(res[64][1]["adapters"]) == 1  # one adapter's rows only
+    assert res[64][1]["rows_sharing"] <= slots.count(0)
+    caps, ref = res[64][0], res[None][0]
+    assert {k: int(np.argmax(v)) for k, v in caps.items()} == {k: int(np.argmax(v)) for k, v in ref.items()}
+    assert max(float(np.abs(caps[k] - ref[k]).max()) for k in ref) < 1e-3
+
+
+def test_grammar_rows_read_the_shared_prefix_and_keep_their_masks(tiny_models):
+    """Rows 0 and 2 constrained by a regex (llguidance), the others free, all over one prompt prefix: every
+    constrained row's text matches its pattern and every row's tokens are those of the run with copies."""
+    import re
+
+    from mlxb.constrain.grammar import Grammars
+    from mlxb.engine.gateway import _vocab_size
+    from mlxb.parity.protocol import GRAMMAR_REGEX
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    grammars = Grammars(tok, _vocab_size(model, tok), sorted(getattr(tok, "eos_token_ids", []) or []))
+    ps = _fleet(n=4, prefix=300, seed=4)[:-1]
+    res = {}
+    for share_min in (None, 64):
+        caps, most = {}, 0
+        eng = Engine(model, tok, max_batch=8, share_min=share_min,
+                     capture=lambda rid, s, t, v, g: caps.__setitem__((rid, s), v.copy()))
+        streams = []
+        for i, p in enumerate(ps):
+            req = Request(f"r{i}", p, 16, SamplingParams(), ignore_eos=True)
+            if i in (0, 2):
+                req.constraint = grammars.constraint(grammars.from_regex(GRAMMAR_REGEX, "regex"), "regex")
+            st = OutputStream(req.request_id)
+            eng.accept(req, st)
+            streams.append(st)
+        while eng._live:
+            eng.iterate()
+            most = max(most, eng.stats()["shared_prefix"].get("rows_sharing", 0))
+        toks = [[o.token for o in st if o.token is not None] for st in streams]
+        res[share_min] = (toks, caps, most)
+    assert res[64][2] >= 3
+    assert res[64][0] == res[None][0]
+    for i in (0, 2):
+        text = tok.decode(res[64][0][i])
+        assert re.fullmatch(r"((ab |cd )*)(a|ab|c|cd)?", text), text  # a prefix of (ab |cd ){60,}
