@@ -94,6 +94,10 @@ def run_folder_entry(folder: Path) -> dict:
         if r.get("status") in ("ok", "errors", "gate_failed"):
             cells.setdefault((r["cell"], r["concurrency"]), {}).setdefault(r["stack"], []).append(r)
     parts = []
+    for r in rows:  # bench shared: copies over shared per cell (step time, KV bytes)
+        if "speedup_median" in r:
+            parts.append(f"{r['cell']} ({r['rows']} rows): step {r['speedup_median']:.2f}x, KV {r['kv_ratio_median']:.1f}x"
+                         " fewer bytes, shared over copies")
     for (cell, conc), stacks in sorted(cells.items()):
         ours = stacks.get("mlxb")
         peers = [s for s in stacks if s != "mlxb"]
