@@ -1,6 +1,8 @@
 """Where does a cached cohort's iteration go? A diagnostic, not a benchmark.
 
 Usage: python scripts/cohort_cost.py MODEL [--rows 7,13,18,13] [--system 2211] [--own 75]
+       python scripts/cohort_cost.py MODEL --mode turn [--rows 16,31] [--system 1500] [--history 400] [--own 113]
+                                        [--running 16] [--share-min 256]
 
 Drives an engine that is not started (as the warm-up does): a leader with a ``--system``-token
 prompt, then ``rows`` followers that share it arrive while the leader's first chunk runs, so the
@@ -8,6 +10,12 @@ next iteration splits the leader and prefills the followers as one cohort from i
 agent burst of ``bench load --dataset shared-prefix``). The pieces of that iteration are wrapped
 with ``mx.synchronize()`` on both sides and timed, which serializes the device but attributes
 the time. Each round uses a new system prompt (a cold prefix, warm kernels after round one).
+
+``--mode turn`` is an agent loop's turn boundary instead (``bench load --dataset agent-loop``): ``rows`` agents
+each ran a first turn (a shared ``--system`` prompt, ``--history`` tokens of their own, 8 generated tokens, kept
+by the prompt cache at retire); while ``--running`` other rows decode, every agent sends its next turn (that
+prompt, its generated ids, ``--own`` new tokens) and the timed iteration prefills them as one cohort from their
+own cached turns. ``--share-min`` turns shared-prefix KV on (``MLXB_SHARE_MIN_SAVED`` sets the GPU floor).
 """
 
 from __future__ import annotations
@@ -61,7 +69,17 @@ class _Timed:
         self._model = model
 
     def __call__(self, x, *a, **kw):
-        return timed(f"forward{tuple(x.shape)}", self._model.__call__)(x, *a, **kw)
+        # a prefill's logits are never evaluated by the engine (only the caches' state is): evaluating them
+        # here would time the vocabulary projection over every position, which the engine skips
+        label = f"forward{tuple(x.shape)}"
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = self._model(x, *a, **kw)
+        cache = kw.get("cache") or (a[0] if a else None)
+        mx.eval(_arrays(cache) if x.shape[1] > 1 and cache is not None else out)
+        mx.synchronize()
+        SPENT[label] += time.perf_counter() - t0
+        return out
 
     def __getattr__(self, name):
         return getattr(self._model, name)
@@ -70,19 +88,21 @@ class _Timed:
 def instrument(engine):
     from mlx_lm.models import cache as C
 
-    from mlxb.cache import protocol as P
     from mlxb.engine import runner as R
 
     for cls, name in [(C.BatchKVCache, "finalize"), (C.BatchKVCache, "extend"), (C.BatchKVCache, "filter")]:
         setattr(cls, name, timed(name, getattr(cls, name)))
-    P.AlignedBatchKVCache.merge = classmethod(timed("merge", C.BatchKVCache.merge.__func__))
-    R.Runner._sample_rows = staticmethod(timed("sample", R.Runner._sample_rows))
+    from mlxb.cache.dense import AlignedBatchKVCache
+
+    AlignedBatchKVCache.merge = classmethod(timed("merge", AlignedBatchKVCache.merge.__func__))
+    R.sample_rows = timed("sample", R.sample_rows)
     for name in ("_emit", "_align", "_attach"):
         setattr(R.Runner, name, timed(name, getattr(R.Runner, name)))
     mx.clear_cache = timed("clear_cache", mx.clear_cache)
     engine.runner.model = _Timed(engine.runner.model)
     engine.reuse.seed = timed("seed", engine.reuse.seed)
     engine.reuse.boundary_snapshot = timed("boundary_snapshot", engine.reuse.boundary_snapshot)
+    engine.reuse.put_finished = timed("put_finished", engine.reuse.put_finished)
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
 
 
@@ -93,17 +113,94 @@ def main():
     ap.add_argument("--system", type=int, default=2211)
     ap.add_argument("--own", type=int, default=75)
     ap.add_argument("--out")
+    ap.add_argument("--mode", choices=["burst", "turn"], default="burst")
+    ap.add_argument("--history", type=int, default=400)
+    ap.add_argument("--running", type=int, default=16)
+    ap.add_argument("--share-min", type=int, default=None)
     a = ap.parse_args()
     attention = choose_attention_kernels(None)
     model, tok, _, _ = load_model(a.model)
     vocab = model.args.vocab_size
-    eng = Engine(model, tok, max_batch=64, prefill_chunk=2048)
+    eng = Engine(model, tok, max_batch=128, prefill_chunk=2048, share_min=a.share_min)
     eng.attach_prompt_cache(build_prompt_cache(eng, kv_budget=None, disk_dir=tempfile.mkdtemp()))
     from mlxb.engine.warmup import warm_up
 
     warm_up(eng)
     instrument(eng)
     rng = np.random.default_rng(0)
+    results = turns(eng, a, vocab, rng) if a.mode == "turn" else bursts(eng, a, vocab, rng)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"attention": attention, "device": str(mx.default_device()), "mode": a.mode,
+                       "share_min": a.share_min, "rounds": results}, f, indent=1)
+
+
+def _run(eng, reqs) -> list:
+    """Submit ``reqs`` and iterate until they finish; their generated ids."""
+    streams = []
+    for r in reqs:
+        r.mechanism = "continuous"
+        streams.append(OutputStream(r.request_id))
+        eng.accept(r, streams[-1])
+    while any(r.request_id in eng._live for r in reqs):
+        eng.iterate()
+    out = []
+    for st in streams:
+        ids = []
+        while not st._q.empty():
+            item = st._q.get()
+            if getattr(item, "token", None) is not None:
+                ids.append(item.token)
+        out.append(ids)
+    return out
+
+
+def turns(eng, a, vocab, rng) -> list:
+    results = []
+    for rnd, B in enumerate(int(x) for x in a.rows.split(",")):
+        system = rng.integers(5, vocab - 1, size=a.system).tolist()
+        first = [system + rng.integers(5, vocab - 1, size=a.history + i % 9).tolist() for i in range(B)]
+        gen = _run(eng, [Request(f"t{rnd}-{i}-1", p, 8, ignore_eos=True) for i, p in enumerate(first)])
+        running = [Request(f"bg{rnd}-{i}", rng.integers(5, vocab - 1, size=a.history).tolist(), 4096,
+                           ignore_eos=True) for i in range(a.running)]
+        streams = []
+        for r in running:
+            r.mechanism = "continuous"
+            streams.append(OutputStream(r.request_id))
+            eng.accept(r, streams[-1])
+        while any(r.request_id in eng.scheduler.prefill_pos or any(w is r for w in eng.scheduler.waiting)
+                  for r in running) or len(eng.scheduler.running) < a.running:
+            eng.iterate()
+        for _ in range(3):
+            eng.iterate()  # the running rows decode
+        second = [p + g + rng.integers(5, vocab - 1, size=a.own + i % 9).tolist() for i, (p, g) in enumerate(zip(first, gen))]
+        reqs = [Request(f"t{rnd}-{i}-2", p, 4, ignore_eos=True) for i, p in enumerate(second)]
+        for r in reqs:
+            r.mechanism = "continuous"
+            eng.accept(r, OutputStream(r.request_id))
+        SPENT.clear()
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = eng.iterate()
+        wall = time.perf_counter() - t0
+        cached = [r.cached_tokens for r in reqs]
+        row = {"round": rnd, "agents": B, "running": a.running, "admitted": len(out.admitted) if out else 0,
+               "cached_min": min(cached), "prompt_max": max(len(p) for p in second), "wall_ms": round(1000 * wall, 1),
+               "unattributed_ms": round(1000 * (wall - sum(SPENT.values())), 1),
+               **{k: round(1000 * v, 1) for k, v in sorted(SPENT.items(), key=lambda kv: -kv[1])}}
+        if eng.runner.sharing is not None:
+            row["sharing"] = eng.runner.sharing.stats()
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        for r in running:
+            eng.cancel(r.request_id)
+        eng._drain_inbox(block=False)
+        while eng._live:
+            eng.iterate()
+    return results
+
+
+def bursts(eng, a, vocab, rng) -> list:
     results = []
     for rnd, B in enumerate(int(x) for x in a.rows.split(",")):
         system = rng.integers(5, vocab - 1, size=a.system).tolist()
@@ -127,9 +224,7 @@ def main():
         print(json.dumps(row), flush=True)
         while eng._live:
             eng.iterate()
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"attention": attention, "device": str(mx.default_device()), "rounds": results}, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

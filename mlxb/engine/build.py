@@ -144,7 +144,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
                   fuse_projections: bool = False, tool_prompt: bool = True, share_prefix: bool = True,
-                  share_min_tokens: int = 256, **engine_kw) -> Gateway:
+                  share_min_tokens: int = 256, prep_threads: int = 4, **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     graphs = cuda_graph_env()  # before the first GPU operation (the model's load)
     link = tp_link(tp, batch=batch) if tp > 1 else None
@@ -241,7 +241,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
 
         watchdog(engine, link, tp_timeout)
     gw = Gateway(engine, tok, model_name=spec_.name, default_max_tokens=default_max_tokens, chat_template=chat_template,
-                 tool_prompt=tool_prompt)
+                 tool_prompt=tool_prompt, prep_threads=prep_threads)
     gw.spec, gw.path = spec_, path
     engine.attention_kernels = attention
     engine.cuda_graphs = graphs

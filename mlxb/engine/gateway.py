@@ -14,6 +14,7 @@ import json
 import math
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -55,9 +56,13 @@ class GenerationInput:
 
 class Gateway:
     def __init__(self, engine: Engine, tokenizer, *, model_name: str, default_max_tokens: int = 512,
-                 chat_template: Optional[str] = None, tool_prompt: bool = True):
+                 chat_template: Optional[str] = None, tool_prompt: bool = True, prep_threads: int = 0):
         self.engine, self.tokenizer = engine, tokenizer
         self._system_prefixes: OrderedDict = OrderedDict()  # system messages + template args -> their prefix tokens
+        self._system_lock = threading.Lock()
+        # requests are validated and tokenized on these threads, off the server's event loop (0: on the loop)
+        self.prep_threads = max(0, int(prep_threads))
+        self._prep = ThreadPoolExecutor(self.prep_threads, thread_name_prefix="mlxb-prep") if self.prep_threads else None
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
@@ -133,8 +138,10 @@ class Gateway:
     def tokenize(self, inp: GenerationInput) -> list[int]:
         return self.tokenize_with_chat(inp)[0]
 
-    def tokenize_with_chat(self, inp: GenerationInput) -> tuple[list[int], Optional[tuple]]:
-        """The prompt's token ids, and for a chat its messages and template arguments (``chat``)."""
+    def tokenize_with_chat(self, inp: GenerationInput, splice: bool = False) -> tuple[list[int], Optional[tuple]]:
+        """The prompt's token ids, and for a chat its messages and template arguments (``chat``). With
+        ``splice``, remembered replies take their generated ids back (``mlxb.engine.replies``); the ordinary
+        tokenization is then made only where it is needed."""
         chat = None
         given = [x is not None for x in (inp.messages, inp.prompt, inp.prompt_ids)]
         if sum(given) != 1:
@@ -149,10 +156,14 @@ class Gateway:
             ids = self.tokenizer.encode(inp.prompt)
         else:
             chat = msgs, kwargs = self.chat(inp)
-            try:
-                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs)
-            except Exception as e:
-                raise ValidationError(f"the chat template failed on these messages: {e}", param="messages") from None
+
+            def ordinary() -> list[int]:
+                try:
+                    return list(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, **kwargs))
+                except Exception as e:
+                    raise ValidationError(f"the chat template failed on these messages: {e}", param="messages") from None
+
+            ids = self.replies.splice(msgs, kwargs, ordinary) if splice and self.replies is not None else ordinary()
         if not ids:
             raise ValidationError("the prompt is empty after tokenization", param="prompt")
         return list(ids), chat
@@ -185,7 +196,8 @@ class Gateway:
         if n == 0 or n == len(msgs):
             return []
         key = json.dumps([msgs[:n], kwargs], sort_keys=True, default=str)
-        prefix = self._system_prefixes.get(key)  # agents resend one system prompt: render it once
+        with self._system_lock:
+            prefix = self._system_prefixes.get(key)  # agents resend one system prompt: render it once
         if prefix is None or ids[:len(prefix)] != prefix:
             try:  # a stand-in user turn: many templates refuse a conversation without one
                 other = self.tokenizer.apply_chat_template(msgs[:n] + [{"role": "user", "content": "\u2026"}],
@@ -193,10 +205,11 @@ class Gateway:
             except Exception:
                 return []
             prefix = list(ids[:common_prefix(ids, list(other), len(ids) - 1)])
+        with self._system_lock:
             self._system_prefixes[key] = prefix
+            self._system_prefixes.move_to_end(key)
             while len(self._system_prefixes) > 64:
                 self._system_prefixes.popitem(last=False)
-        self._system_prefixes.move_to_end(key)
         k = min(len(prefix), len(ids) - 1)
         return [k] if k >= self.engine.scheduler.min_shared else []
 
@@ -215,10 +228,8 @@ class Gateway:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 32):
             raise ValidationError("num_draft_tokens must be an integer from 0 (no speculation) to 32",
                                   param="num_draft_tokens")
-        ids, chat = self.tokenize_with_chat(inp)
-        remember = chat is not None and inp.cache_prompt and self.replies is not None
-        if remember:
-            ids = self.replies.splice(chat[0], chat[1], ids)
+        remember = inp.messages is not None and inp.cache_prompt and self.replies is not None
+        ids, chat = self.tokenize_with_chat(inp, splice=remember)
         slot = self.adapter_slot(inp.adapter)
         req = Request(inp.request_id or f"req-{next(_ids)}", ids, max_tokens, sampling, stop,
                       ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot,
@@ -294,6 +305,19 @@ class Gateway:
         stream = OutputStream(req.request_id, loop)
         self.engine.submit(req, stream)
         return req, stream
+
+    async def submit_async(self, inp: GenerationInput, loop: asyncio.AbstractEventLoop) -> tuple[Request, OutputStream]:
+        """``submit`` from the server's event loop: the request is validated and tokenized on a prep thread
+        (``prep_threads``), so a burst of long prompts is tokenized in parallel (the tokenizer releases the
+        GIL) while the loop keeps streaming other requests' tokens; then submitted from the loop."""
+        if self._prep is None:
+            return self.submit(inp, loop)
+        req = await loop.run_in_executor(self._prep, self.build, inp)
+        return self.submit(req, loop)
+
+    def close(self) -> None:
+        if self._prep is not None:
+            self._prep.shutdown(wait=False, cancel_futures=True)
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)

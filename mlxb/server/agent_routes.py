@@ -29,7 +29,7 @@ def agent_routes(gw, h) -> list[Route]:
             body, extra = translate(await h.read_json(request))
             inp, opts = P.parse(body, chat=True, default_max_tokens=gw.default_max_tokens)
             inp.adapter = h.adapter(opts)
-            req, stream = gw.submit(inp, loop=asyncio.get_running_loop())
+            req, stream = await gw.submit_async(inp, asyncio.get_running_loop())
         except MlxbError as e:
             h.metrics.requests.labels(kind, f"http_{e.status}").inc()
             return JSONResponse(error_body(e), status_code=e.status)

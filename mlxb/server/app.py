@@ -95,7 +95,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                     req = gw.build(base)
                 else:
                     for i in range(opts["n"]):  # n choices: rows of the batch, seeds offset by the choice index
-                        subs.append(gw.submit(base if i == 0 else _choice_input(base, i), loop=loop))
+                        subs.append(await gw.submit_async(base if i == 0 else _choice_input(base, i), loop))
                     req = subs[-1][0]
                 prompt_lens.append(req.num_prompt_tokens)
                 if opts["echo"]:

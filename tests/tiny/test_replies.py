@@ -44,7 +44,7 @@ def test_a_resent_reply_takes_its_generated_ids_back(tok):
     spliced = r.splice(msgs, {}, ordinary)
     assert spliced != ordinary and tok.decode(spliced) == tok.decode(ordinary)
     assert spliced[:len(first) + len(gen)] == first + gen  # turn 1's prompt, then exactly the generated ids
-    assert r.stats() == {"remembered": 1, "prompts_spliced": 1, "replies_spliced": 1}
+    assert r.stats() == {"remembered": 1, "prompts_spliced": 1, "replies_spliced": 1, "pieces_reused": 0}
 
 
 def test_unknown_replies_and_templates_that_change_the_content_keep_the_ordinary_ids(tok):
@@ -59,3 +59,51 @@ def test_unknown_replies_and_templates_that_change_the_content_keep_the_ordinary
     msgs, ordinary = turn(tok, tok.decode(gen), chat_template=trimming)  # the reply ends in a space: trimmed
     assert r.splice(msgs, {"chat_template": trimming}, ordinary) == ordinary
     assert r.stats()["prompts_spliced"] == 0
+
+
+def test_later_turns_reuse_their_pieces_and_skip_the_ordinary_tokenization(tok):
+    """An agent's turn N+1 repeats turn N's pieces: they come from the piece cache, the ordinary tokenization is
+    not made again, and the ids are those a fresh splice (nothing cached) gives."""
+    halves, _ = _split_token(tok)
+    replies = [halves + list(tok.encode(f" step {k} done", add_special_tokens=False)) for k in range(3)]
+    kept = ReplyIds(tok, set())
+    for g in replies:
+        kept.finished(g)
+    msgs = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "fix the bug"}]
+    calls = []
+    for k, g in enumerate(replies):
+        msgs = msgs + [{"role": "assistant", "content": tok.decode(g)}, {"role": "user", "content": f"result {k}"}]
+        ordinary = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+        def lazy():
+            calls.append(k)
+            return ordinary
+
+        fresh = ReplyIds(tok, set())
+        for h in replies:
+            fresh.finished(h)
+        assert kept.splice(msgs, {}, lazy) == fresh.splice(msgs, {}, ordinary) != ordinary
+    assert calls == [0]  # only the first turn checked its first piece against the ordinary ids
+    assert kept.stats()["pieces_reused"] >= 3
+
+
+def test_prep_threads_tokenize_like_the_event_loop(tiny_models):
+    """Requests built on the gateway's prep threads, many at once, get the ids a serial build gives."""
+    import asyncio
+
+    from mlxb.engine.engine import Engine
+    from mlxb.engine.gateway import Gateway, GenerationInput
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    gw = Gateway(Engine(model, tok, max_batch=4), tok, model_name="tiny", prep_threads=4)
+    inputs = [GenerationInput(messages=[{"role": "system", "content": "agent " * 200},
+                                        {"role": "user", "content": f"task {i} " * (20 + i)}], max_tokens=4)
+              for i in range(24)]
+    serial = [gw.build(i).prompt_ids for i in inputs]
+
+    async def burst():
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*[loop.run_in_executor(gw._prep, gw.build, i) for i in inputs])
+
+    assert [r.prompt_ids for r in asyncio.run(burst())] == serial
+    gw.close()
