@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh agentloop|engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh agentloop|turncost|engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -400,13 +400,22 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     here=$PWD; mkdir -p /tmp/bench && cd /tmp/bench
-    export MLXB_TRACE=${MLXB_TRACE:-$OUT/trace-agentloop.jsonl}
+    export MLXB_TRACE=${MLXB_TRACE:-$OUT/trace-agentloop-{pid}.jsonl}  # one file per server process
     timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench load -m /var/tmp/$m ${PEER---peer mlx-lm} --batch ${BATCH:-64} \
       --dataset agent-loop --system-len ${SYSTEM:-1500} --input-len ${TASK:-100} --tool-len ${TOOL:-80} --turns ${TURNS:-4} \
       --concurrency ${LEVELS:-16,32} --output-len ${GEN:-128} --repeats ${REPEATS:-2} 2>&1 | grep -v Warning | tail -${TAIL:-30}
-    python3 "$here/scripts/trace_summary.py" "$MLXB_TRACE" --json "$OUT/trace-summary.json" 2>&1 | tail -40
+    for f in $OUT/trace-agentloop*.jsonl; do
+      [ -s "$f" ] || continue; echo "== $f"; s=${f%.jsonl}; s=${s/trace-/trace-summary-}
+      python3 "$here/scripts/trace_summary.py" "$f" --json "$s.json" 2>&1 | tail -${TRACE_TAIL:-12}; gzip -f "$f"
+    done
     python3 -m mlxb.commands.main report reports/results --out "$OUT/agentloop-h200.md" >/dev/null
     tar czf "$OUT/agentloop-results.tgz" reports/results ;;
+  turncost)  # issue 46: where an agent loop's turn boundary goes (scripts/cohort_cost.py --mode turn), copies vs shared
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    args="--mode turn --rows ${ROWS:-16,32,16,32} --system ${SYSTEM:-1500} --history ${HISTORY:-400} --own ${OWN:-113} --running ${RUNNING:-16}"
+    python3 scripts/cohort_cost.py /var/tmp/$m $args --out "$OUT/turn-copies.json" 2>&1 | grep -v Warning
+    MLXB_SHARE_MIN_SAVED=0 python3 scripts/cohort_cost.py /var/tmp/$m $args --share-min 256 --out "$OUT/turn-shared.json" 2>&1 | grep -v Warning ;;
   engine6k)  # issue 46: 32 rows of ~6k-token prompts in process; mlx-lm's BatchGenerator may run out of memory (recorded as failed)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -38,6 +38,8 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         for name, ms in d["phases"]:
             phases[name].append(ms)
     decode_phase = [ms for d in decode_only for name, ms in d["phases"] if name == "decode"]
+    subs = [d for d in lines if d.get("event") == "submit" and d["t"] >= since and d.get("made") is not None]
+    made = sorted(e["made"] for e in subs)
     return {
         "iterations": len(its),
         "decode_only_ms": pcts(d["ms"] for d in decode_only),
@@ -51,6 +53,9 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "uncached_tokens": pcts(e["prompt"] - (e["cached"] or 0) for e in t0),
         "cached_tokens": pcts(e["cached"] or 0 for e in t0),
         "cohort_size": pcts(e["cohort"] for e in t0),
+        # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
+        "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
+        "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),
     }
 
 

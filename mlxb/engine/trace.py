@@ -1,6 +1,7 @@
 """Optional per-iteration trace (JSON lines) for diagnosing latency: what ran and how long it took.
 
-Off unless ``MLXB_TRACE=FILE`` is set in the server's environment (or a path is given). One line
+Off unless ``MLXB_TRACE=FILE`` is set in the server's environment (or a path is given); ``{pid}`` in the
+name becomes the process id (two servers of an A/B run write two files). One line
 per iteration: seconds since start, wall ms of the iteration, the prefill chunks (start, end,
 shared, cohort), rows decoded, the queue, and MLX's active/peak memory. Appending a line costs
 microseconds; the iteration's own work already synchronizes with the device.
@@ -18,7 +19,7 @@ import mlx.core as mx
 
 class IterationTrace:
     def __init__(self, path: Optional[str] = None):
-        path = path or os.environ.get("MLXB_TRACE")
+        path = (path or os.environ.get("MLXB_TRACE") or "").replace("{pid}", str(os.getpid())) or None
         self._f = open(path, "a", buffering=1) if path else None
         self._t0 = time.perf_counter()
 
