@@ -46,6 +46,7 @@ def load(
     ttft_threshold: float = typer.Option(2.0, "--ttft-threshold", help="Saturation knee: highest load with p95 TTFT under this (s)."),
     api_key: Optional[str] = typer.Option(None, "--api-key"),
     api: str = typer.Option("chat", "--api", help="Endpoint for chat payloads: chat (/v1/chat/completions), responses (/v1/responses) or messages (Anthropic's /v1/messages)."),
+    one_server: bool = typer.Option(False, "--one-server", help="Start one stack at a time (every repeat of mlxb, then every repeat of --peer, on the same text) instead of both up front, A/B alternated: for a model whose two servers do not fit the device together."),
     forced_tools: int = typer.Option(0, "--forced-tools", min=0, help="random: every K-th request carries tools, run twice: tool_choice auto (no grammar), then required (a forced call, a grammar row); rows report the TPOT of the requests without tools (p50_tpot_free)."),
 ) -> None:
     """Load an OpenAI-compatible server over streaming SSE; optionally the same load on mlx_lm.server."""
@@ -117,7 +118,7 @@ def load(
         for c in cells:
             c.name += f"-{api}"
     rows = _run_stacks(Matrix("cli", cells, repeats), spec, path, tok, vocab, base_url, peer, batch, 1.0, None,
-                       dtype, "load", api=api, seed=seed)
+                       dtype, "load", api=api, seed=seed, one_server=one_server)
     for st in sorted({r["stack"] for r in rows}):
         pts = [(r["concurrency"], r.get("p95_ttft")) for r in rows if r["stack"] == st and r["status"] != "unsupported"]
         console.print(f"saturation knee for {st} (p95 TTFT <= {ttft_threshold}s): concurrency {L.knee(pts, ttft_threshold)}")
@@ -135,6 +136,7 @@ def features(
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),
     batch: int = typer.Option(8, "--batch"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Text seed (default: a fresh one per run, printed)."),
+    one_server: bool = typer.Option(False, "--one-server", help="Start one stack at a time (every repeat of mlxb, then every repeat of --peer, on the same text) instead of both up front, A/B alternated: for a model whose two servers do not fit the device together."),
 ) -> None:
     """Run the composition matrix against `mlxb serve` (and a peer), storing labelled Parquet results."""
     from mlxb.bench.matrix import parse
@@ -149,7 +151,8 @@ def features(
     if unknown:
         raise ValidationError(f"--cell {', '.join(unknown)}: not in {matrix} (cells: {', '.join(x.name for x in m.cells)})")
     spec, path, tok, vocab = _tokenizer_and_path(model, dtype)
-    _run_stacks(m, spec, path, tok, vocab, None, peer, batch, scale, cells, dtype, "features", seed=seed)
+    _run_stacks(m, spec, path, tok, vocab, None, peer, batch, scale, cells, dtype, "features", seed=seed,
+                one_server=one_server)
 
 
 @app.command("restart")

@@ -49,8 +49,10 @@ def _run_seed(seed: Optional[int]) -> int:
 
 
 def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, cells, dtype, bench_name, api_key=None,
-                api="chat", seed=None):
-    """Start what is needed, run the matrix on every stack, stop what we started, store and print."""
+                api="chat", seed=None, one_server=False):
+    """Start what is needed, run the matrix on every stack, stop what we started, store and print. With
+    ``one_server`` only one started stack is up at a time (every repeat of mlxb, then every repeat of the peer,
+    on the same text): two servers of a large model need not fit one device together."""
     from mlxb.bench import servers
     from mlxb.bench.features import Target, run_matrix
     from mlxb.bench.store import labels, write_run
@@ -80,29 +82,30 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
     with progress() as prog, sigterm_as_exit():
         task = prog.add_task("load", total=None)
         for extra, names in groups.items():
-            started, targets = [], []
-            try:
-                prog.update(task, description=f"starting servers {' '.join(extra)}".rstrip())
-                if base_url:
-                    targets.append(Target("mlxb", base_url, str(path), f"external {base_url}", api=api))
-                else:
-                    srv = servers.start("mlxb", str(path), batch=batch, extra=extra)
-                    started.append(srv)
-                    targets.append(Target("mlxb", srv.base_url, srv.model_name, " ".join(srv.flags), api=api))
-                if peer:
-                    shared = extra[:extra.index("--adapters")] if "--adapters" in extra and peer == "mlx-lm" else extra
-                    srv = servers.start(peer, str(path), batch=batch, extra=shared)
-                    started.append(srv)
-                    targets.append(Target(peer, srv.base_url, srv.model_name, " ".join(srv.flags)))
-                rq, sm = run_matrix(
-                    matrix, targets, tok, vocab, scale=scale, cells=names, seed=seed,
-                    progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total),
-                    on_phase=keep)
-                req_rows += rq
-                summ_rows += sm
-            finally:
-                for srv in started:
-                    srv.stop()
+            stacks = [("mlxb", extra)]
+            if peer:
+                stacks.append((peer, extra[:extra.index("--adapters")] if "--adapters" in extra and peer == "mlx-lm" else extra))
+            for wave in ([[st] for st in stacks] if one_server and not base_url else [stacks]):
+                started, targets = [], []
+                try:
+                    prog.update(task, description=f"starting servers {' '.join(extra)}".rstrip())
+                    for stack, flags in wave:
+                        if stack == "mlxb" and base_url:
+                            targets.append(Target("mlxb", base_url, str(path), f"external {base_url}", api=api))
+                            continue
+                        srv = servers.start(stack, str(path), batch=batch, extra=flags)
+                        started.append(srv)
+                        targets.append(Target(stack, srv.base_url, srv.model_name, " ".join(srv.flags),
+                                              **({"api": api} if stack == "mlxb" else {})))
+                    rq, sm = run_matrix(
+                        matrix, targets, tok, vocab, scale=scale, cells=names, seed=seed,
+                        progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total),
+                        on_phase=lambda rq, sm: keep(rq, sm))
+                    req_rows += rq
+                    summ_rows += sm
+                finally:
+                    for srv in started:
+                        srv.stop()
     out = write_run(root, lab, req_rows, summ_rows)
     _print_summary(summ_rows)
     console.print(f"wrote {out}/summary.parquet, requests.parquet, summary.json")

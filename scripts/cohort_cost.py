@@ -189,7 +189,7 @@ def turns(eng, a, vocab, rng) -> list:
                "unattributed_ms": round(1000 * (wall - sum(SPENT.values())), 1),
                **{k: round(1000 * v, 1) for k, v in sorted(SPENT.items(), key=lambda kv: -kv[1])}}
         if eng.runner.sharing is not None:
-            row["sharing"] = eng.runner.sharing.stats()
+            row["sharing"] = eng.runner.sharing.stats(eng.runner.caches, eng.runner.rows)
         results.append(row)
         print(json.dumps(row), flush=True)
         for r in running:

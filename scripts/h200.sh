@@ -67,9 +67,11 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     mkdir -p /tmp/bench && cd /tmp/bench
-    export MLXB_TRACE=${MLXB_TRACE:-$OUT/trace-agents.jsonl}  # mlxb serve's per-iteration trace
-    mlxb bench load -m /var/tmp/$m --peer mlx-lm --batch 64 --dataset shared-prefix --system-len 2048 \
-      --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-32} --output-len 128 --repeats ${REPEATS:-2} --ttft-threshold 2.0 2>&1 | tail -24
+    export MLXB_TRACE="${MLXB_TRACE:-$OUT/trace-agents-PID.jsonl}"; MLXB_TRACE="${MLXB_TRACE/PID/\{pid\}}"  # a file per server
+    timeout ${LIMIT:-560} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --peer mlx-lm ${ONE---one-server} --batch 64 \
+      --dataset shared-prefix --system-len ${SYSTEM:-2048} --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-32} \
+      --output-len 128 --repeats ${REPEATS:-2} --ttft-threshold 2.0 2>&1 | grep -v Warning | tail -${TAIL:-24}
+    for f in $OUT/trace-agents*.jsonl; do [ -s "$f" ] && gzip -f "$f"; done
     mlxb report reports/results --out "$OUT/agents-h200.html" && mlxb report reports/results --out "$OUT/agents-h200.md"
     tar czf "$OUT/agents-results.tgz" reports/results ;;
   kv)  # quantized KV: decode tok/s of KV8/KV4 against full width at long context (our engine; mlx-lm has no batched quantized KV)
@@ -400,8 +402,8 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     here=$PWD; mkdir -p /tmp/bench && cd /tmp/bench
-    export MLXB_TRACE=${MLXB_TRACE:-$OUT/trace-agentloop-{pid}.jsonl}  # one file per server process
-    timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench load -m /var/tmp/$m ${PEER---peer mlx-lm} --batch ${BATCH:-64} \
+    export MLXB_TRACE="${MLXB_TRACE:-$OUT/trace-agentloop-PID.jsonl}"; MLXB_TRACE="${MLXB_TRACE/PID/\{pid\}}"  # a file per server
+    timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench load -m /var/tmp/$m ${PEER---peer mlx-lm} ${ONE---one-server} --batch ${BATCH:-64} \
       --dataset agent-loop --system-len ${SYSTEM:-1500} --input-len ${TASK:-100} --tool-len ${TOOL:-80} --turns ${TURNS:-4} \
       --concurrency ${LEVELS:-16,32} --output-len ${GEN:-128} --repeats ${REPEATS:-2} 2>&1 | grep -v Warning | tail -${TAIL:-30}
     for f in $OUT/trace-agentloop*.jsonl; do
