@@ -28,7 +28,7 @@ def serve(
     log_level: str = typer.Option("info", "--log-level"),
     dtype: DtypeOpt = None,
     prompt_cache: bool = typer.Option(True, "--prompt-cache/--no-prompt-cache", help="Reuse KV of shared prompt prefixes across requests (RAM trie + SSD tier)."),
-    prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="RAM tier cap, e.g. 4GB (default: --kv-budget, else a quarter of device memory). Entries give way to live rows."),
+    prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="RAM tier cap, e.g. 4GB (default: --kv-budget, else a quarter of the device memory the weights leave). Entries give way to live rows."),
     prompt_cache_size: Optional[int] = typer.Option(None, "--prompt-cache-size", min=1, help="Most RAM entries (default: no count cap, bytes decide)."),
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="SSD tier folder (default: $MLXB_HOME/prompt-cache)."),
     prompt_cache_disk_bytes: Optional[str] = typer.Option(None, "--prompt-cache-disk-bytes", help="SSD tier cap, e.g. 20GB (default 8GiB; 0 turns the SSD tier off)."),
