@@ -2,7 +2,7 @@
 
 Each line gives the command that made it, the machine key, the date and a headline. They come from the
 result's own labels where it has them (``bench`` JSON files and run folders); otherwise the machine is
-read from the folder (``reports/h200`` is the lent H200, ``cuda-h200``), the date is the day git first
+read from the folder (``reports/h200`` is the lent H200, ``cuda-h200``; ``reports/h100`` the lent H100), the date is the day git first
 saw the file, the command is the script or bench named in the file when it says so, and the headline is
 the file's first line. Run from the repository root: ``python scripts/reports_index.py``.
 """
@@ -36,6 +36,8 @@ def git_dates() -> dict:
 def machine_from_path(rel: str) -> str:
     if rel.startswith("reports/h200/"):
         return "cuda-h200" if "/tp/" not in rel else "cuda-h200-x2"
+    if rel.startswith("reports/h100/"):
+        return "cuda-h100-80gb-hbm3"
     if rel.startswith("reports/cpu/"):
         return "cpu (see the file)"
     return "-"
