@@ -31,7 +31,7 @@ def serve(
     prompt_cache_bytes: Optional[str] = typer.Option(None, "--prompt-cache-bytes", help="RAM tier cap, e.g. 4GB (default: --kv-budget, else a quarter of the device memory the weights leave). Entries give way to live rows."),
     prompt_cache_size: Optional[int] = typer.Option(None, "--prompt-cache-size", min=1, help="Most RAM entries (default: no count cap, bytes decide)."),
     prompt_cache_dir: Optional[str] = typer.Option(None, "--prompt-cache-dir", help="SSD tier folder (default: $MLXB_HOME/prompt-cache)."),
-    prompt_cache_disk_bytes: Optional[str] = typer.Option(None, "--prompt-cache-disk-bytes", help="SSD tier cap, e.g. 20GB (default 8GiB; 0 turns the SSD tier off)."),
+    prompt_cache_disk_bytes: Optional[str] = typer.Option(None, "--prompt-cache-disk-bytes", help="SSD tier cap, e.g. 20GB (default twice the RAM tier, at least 8GiB; 0 turns the SSD tier off)."),
     cudnn_attention: Optional[bool] = typer.Option(None, "--cudnn-attention/--no-cudnn-attention", help="CUDA only: prefill attention through cuDNN graphs (built once per new shape, ~1 s each on an H200) or MLX's own kernels. Default: MLX's own, unless MLX_CUDA_USE_CUDNN_SDPA is set."),
     kv_bits: Optional[int] = typer.Option(None, "--kv-bits", help="Quantize the KV cache of full-attention layers to 4 or 8 bits (mlx-lm's name), also under batching; the prompt cache stores rows in that layout."),
     kv_group_size: int = typer.Option(64, "--kv-group-size", help="Quantization group size for --kv-bits (32, 64, 128)."),

@@ -53,12 +53,16 @@ def build_prompt_cache(engine: Engine, *, kv_budget: Optional[int], max_bytes: O
 
         cls = partial(MirroredPromptCache, runner=engine.runner)
     weights = sum(a.nbytes for _, a in tree_flatten(engine.model.parameters()))
+    ram = default_cache_bytes(kv_budget, weights) if max_bytes is None else max_bytes
     return cls(engine.model, engine.kinds,
-                       max_bytes=default_cache_bytes(kv_budget, weights) if max_bytes is None else max_bytes,
+                       max_bytes=ram,
                        memory_limit=int(0.75 * device_memory()),
                        max_entries=max_entries,
                        disk_dir=disk_dir or (mlxb_home() / "prompt-cache"),
-                       disk_bytes=(8 << 30) if disk_bytes is None else disk_bytes,
+                       # NOTE: a tier smaller than the RAM tier holds nothing the RAM tier would not: a fleet whose
+                       # conversations outgrow RAM is evicted in the order its turns come back, and only a larger
+                       # SSD tier catches them
+                       disk_bytes=max(8 << 30, 2 * ram) if disk_bytes is None else disk_bytes,
                        kv_scheme=engine.kv_scheme.name if engine.kv_scheme is not None else "none")
 
 
