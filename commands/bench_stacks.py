@@ -100,7 +100,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                     rq, sm = run_matrix(
                         matrix, targets, tok, vocab, scale=scale, cells=names, seed=seed,
                         progress=lambda d, done, total: prog.update(task, description=d, completed=done, total=total),
-                        on_phase=lambda rq, sm: keep(rq, sm))
+                        on_phase=keep)
                     req_rows += rq
                     summ_rows += sm
                 finally:

@@ -26,8 +26,8 @@ def default_cache_bytes(kv_budget: Optional[int], weights_bytes: int = 0) -> int
     """RAM tier cap when --prompt-cache-bytes is not given: the whole --kv-budget (entries give way
     to live rows at admission), else a quarter of the device memory the weights leave free. An eighth was
     too small for 32 agents on an 8B model on an H100 80GB (8 GB against ~10.5 GB of live conversations): the
-    tier evicted the agents' last turns in the order their next turns came, so 18 of 32 turns prefilled
-    their whole conversation again (``reports/h100/session55``). Entries still give way to live rows (admission)
+    tier evicted the agents' last turns in the order their next turns came, so 13 and then 30 of 32 turns
+    (two turns of one measured run) prefilled their whole conversation again (``reports/h100/session55``). Entries still give way to live rows (admission)
     and to device memory pressure (``memory_limit``)."""
     if kv_budget is not None:
         return kv_budget
