@@ -426,10 +426,14 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
   forcedtools)  # issue 48: every 2nd request carries tools, auto (control) then forced; TPOT of the rows without tools, 8 and 32 clients
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
-    mkdir -p /tmp/bench && cd /tmp/bench
+    here=$PWD; mkdir -p /tmp/bench && cd /tmp/bench
+    export MLXB_TRACE="$OUT/trace-forced-PID.jsonl"; MLXB_TRACE="${MLXB_TRACE/PID/\{pid\}}"  # decode steps with/without grammar rows
     timeout ${LIMIT:-300} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --batch 32 --dataset random --forced-tools ${EVERY:-2} \
       --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-48} --input-len 256 --output-len ${GEN:-96} --repeats ${REPEATS:-3} \
       2>&1 | grep -v Warning | tail -${TAIL:-24}
+    for f in $OUT/trace-forced*.jsonl; do
+      [ -s "$f" ] || continue; echo "== $f"; python3 "$here/scripts/trace_summary.py" "$f" --json "${f%.jsonl}-summary.json" 2>&1 | tail -40; gzip -f "$f"
+    done
     tar czf "$OUT/forcedtools-results.tgz" reports/results ;;
   specsweep)  # issue 50: the controller against fixed K at chosen acceptances (replay proposer), B=1,8,32, one process
     m=synth-llama-8b

@@ -28,6 +28,14 @@ def pcts(xs) -> dict:
             "max": round(float(a.max()), 2), "sum": round(float(a.sum()), 1)}
 
 
+def _steps(its) -> dict:
+    by = defaultdict(list)
+    for d in its:
+        for k, v in (d.get("step") or {}).items():
+            by[k].append(v)
+    return {k: pcts(v) for k, v in sorted(by.items())}
+
+
 def summarize(lines: list[dict], since: float = 0.0) -> dict:
     its = [d for d in lines if "ms" in d and d["t"] >= since]
     t0 = [d for d in lines if d.get("event") == "token0" and d["t"] >= since]
@@ -47,6 +55,14 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "with_prefill_ms": pcts(d["ms"] for d in with_prefill),
         "with_prefill_phases_ms": {k: pcts(v) for k, v in sorted(phases.items())},
         "rows": pcts(d["rows"] for d in its),
+        # decode-only iterations with and without grammar rows (forced tool calls, schemas) in the batch
+        "decode_only_free_ms": pcts(d["ms"] for d in decode_only if not d.get("grammar")),
+        "decode_only_grammar_ms": pcts(d["ms"] for d in decode_only if d.get("grammar")),
+        "rows_free": pcts(d["rows"] for d in decode_only if not d.get("grammar")),
+        "rows_grammar": pcts(d["rows"] for d in decode_only if d.get("grammar")),
+        # the decode step's host timings (ms per iteration: build, launch, wait, emit, early, mask) by kind
+        "step_free_ms": _steps(d for d in decode_only if not d.get("grammar")),
+        "step_grammar_ms": _steps(d for d in decode_only if d.get("grammar")),
         "requests": len(t0),
         "queue_wait_ms": pcts(e["wait_ms"] for e in t0),
         "prefill_ms": pcts(e["prefill_ms"] for e in t0),

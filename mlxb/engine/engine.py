@@ -279,13 +279,17 @@ class Engine:
                 return None
             t0 = time.perf_counter()
             self.trace.begin()
+            before = dict(self.runner.timing) if self.trace.on else None
             with self.device_lock:
                 try:
                     self._iteration(out)
                 finally:
                     self.reuse.end_iteration()
             if self.trace.on:
-                self.trace.record(out, t0, len(self.runner.rows), len(self.scheduler.waiting))
+                self.trace.record(out, t0, len(self.runner.rows), len(self.scheduler.waiting),
+                                  grammar=sum(r.sampler.constraint is not None for r in self.runner.rows),
+                                  step={k[:-2]: round(1000 * (v - before.get(k, 0.0)), 2)
+                                        for k, v in self.runner.timing.items() if k.endswith("_s")})
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made

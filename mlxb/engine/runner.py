@@ -107,7 +107,8 @@ class Runner:
         self.pending_geo: Optional[list] = None  # capture only: cache geometry of the unread step
         self.num_steps = 0
         # per-step host timings (seconds, summed): graph build, async_eval launch, wait for the
-        # previous step's tokens, turning them into Emitted records; the engine adds delivery
+        # previous step's tokens, turning them into Emitted records; the engine adds delivery. With
+        # grammar rows the last tokens are read inside the build (early_s) and masks made there (mask_s)
         self.timing: dict[str, float] = defaultdict(float)
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
@@ -312,9 +313,13 @@ class Runner:
             # forward is launched first; last step's tokens are read and emitted (matchers advance)
             # while it runs, then the masked sampling is built. Without grammar rows nothing changes.
             mx.async_eval(logits)
+            te = time.perf_counter()
             early = self._emit_pending(inputs, self.pending, self.pending_geo)
+            self.timing["early_s"] += time.perf_counter() - te  # the read and emit (wait_s's share here)
         if cons:  # every grammar row's mask in one device op (llguidance fills them in parallel)
+            tg = time.perf_counter()
             logits = apply_row_masks(logits, [rows[i].sampler.constraint for i in cons], cons)
+            self.timing["mask_s"] += time.perf_counter() - tg
         if all(r.plain or (r.req.sampling.is_plain_greedy and r.sampler.constraint is not None) for r in rows):
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             sampled = mx.argmax(logprobs, axis=-1)

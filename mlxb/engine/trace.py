@@ -3,8 +3,9 @@
 Off unless ``MLXB_TRACE=FILE`` is set in the server's environment (or a path is given); ``{pid}`` in the
 name becomes the process id (two servers of an A/B run write two files). One line
 per iteration: seconds since start, wall ms of the iteration, the prefill chunks (start, end,
-shared, cohort), rows decoded, the queue, and MLX's active/peak memory. Appending a line costs
-microseconds; the iteration's own work already synchronizes with the device.
+shared, cohort), rows decoded (and how many under a grammar), the queue, the decode step's host
+timings (``step``: graph build, launch, wait for the last tokens, emit; ms) and MLX's active/peak
+memory. Appending a line costs microseconds; the iteration's own work already synchronizes with the device.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class IterationTrace:
             self._phases.append([name, round(1000 * (now - self._last), 2)])
             self._last = now
 
-    def record(self, out, t_start: float, rows: int, waiting: int) -> None:
+    def record(self, out, t_start: float, rows: int, waiting: int, grammar: int = 0,
+               step: Optional[dict] = None) -> None:
         if self._f is None:
             return
         cohort = set(id(c) for c in out.cohort)
@@ -47,7 +49,7 @@ class IterationTrace:
             "t": round(t_start - self._t0, 4), "ms": round(1000 * (now - t_start), 2),
             "admitted": len(out.admitted),
             "prefills": [[c.start, c.end, int(c.shared), int(id(c) in cohort)] for c in out.prefills],
-            "rows": rows, "waiting": waiting, "phases": self._phases,
+            "rows": rows, "grammar": grammar, "waiting": waiting, "phases": self._phases, "step": step or {},
             "active_mb": round(mx.get_active_memory() / 1e6), "peak_mb": round(mx.get_peak_memory() / 1e6),
         }) + "\n")
 
