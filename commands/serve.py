@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Optional
 
 import typer
@@ -124,6 +126,9 @@ def serve(
         disk = f"SSD {pc.disk.root}{' (each rank its own tp<N>-rank<r> folder)' if tps is not None else ''} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
         console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "
                       + "; ".join(f"{k} {v}" for k, v in pc.stats()["reuse"].items()))
+    if os.environ.get("MLXB_SWITCH_INTERVAL"):  # diagnostic: how often Python hands the GIL between threads
+        sys.setswitchinterval(float(os.environ["MLXB_SWITCH_INTERVAL"]))
+        console.print(f"GIL switch interval: {sys.getswitchinterval() * 1000:g} ms (MLXB_SWITCH_INTERVAL)")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level == "debug")
     server = _server(config, gw.engine)

@@ -435,6 +435,36 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
       [ -s "$f" ] || continue; echo "== $f"; python3 "$here/scripts/trace_summary.py" "$f" --json "${f%.jsonl}-summary.json" 2>&1 | tail -40; gzip -f "$f"
     done
     tar czf "$OUT/forcedtools-results.tgz" reports/results ;;
+  forcedspy)  # issue 48: forcedtools with py-spy (carry .whl/g: the py-spy wheel) on the server once grammar rows run:
+              # who holds the GIL (--gil) and every thread's stack (--idle), 12 s each, raw collapsed stacks
+    w=$(ls $PWD/.whl/g/py_spy-*.whl | head -1); mkdir -p /tmp/pyspy && (cd /tmp/pyspy && python3 -m zipfile -e "$w" .)
+    spy=$(ls /tmp/pyspy/py_spy-*/scripts/py-spy); chmod +x "$spy"
+    (
+      for i in $(seq 900); do f=$(grep -l '"grammar": [1-9]' $OUT/trace-forced-*.jsonl 2>/dev/null | head -1); [ -n "$f" ] && break; sleep 0.3; done
+      pid=${f##*-}; pid=${pid%.jsonl}; echo "py-spy on $pid"
+      "$spy" record --pid $pid --duration 12 --rate 200 --gil --nonblocking --format raw -o $OUT/pyspy-gil.txt >/dev/null 2>&1
+      "$spy" record --pid $pid --duration 12 --rate 200 --idle --threads --nonblocking --format raw -o $OUT/pyspy-all.txt >/dev/null 2>&1
+      "$spy" dump --pid $pid > $OUT/pyspy-dump.txt 2>&1
+    ) &
+    LEVELS=${LEVELS:-8,32} REPEATS=${REPEATS:-2} bash "$0" forcedtools
+    wait; ls -la $OUT/pyspy* ;;
+  forcedab)  # issue 48: forcedtools under diagnostic arms (ARMS="base one si"): one = MLXB_GRAMMAR_ONE_LAUNCH=1 (forward
+             # and masked sampling in one launch), si = MLXB_SWITCH_INTERVAL=0.0005 (the GIL handed over 10x as often)
+    for arm in ${ARMS:-base one si}; do
+      echo "=== arm $arm"; mkdir -p "$OUT/$arm"
+      case $arm in one) export MLXB_GRAMMAR_ONE_LAUNCH=1;; si) export MLXB_SWITCH_INTERVAL=0.0005;; esac
+      (OUT="$OUT/$arm" LEVELS=${LEVELS:-8,32} REPEATS=${REPEATS:-2} TAIL=0 TRACE_TAIL=0 bash "$0" forcedtools | grep -A3 "decode_only_free_ms\|decode_only_grammar_ms")
+      unset MLXB_GRAMMAR_ONE_LAUNCH MLXB_SWITCH_INTERVAL
+      python3 - "$OUT/$arm" <<'PY'
+import glob, sys, tarfile, io
+import pandas as pd
+t = tarfile.open(glob.glob(sys.argv[1] + "/forcedtools-results.tgz")[0])
+names = sorted(n for n in t.getnames() if n.endswith("requests.parquet"))
+d = pd.read_parquet(io.BytesIO(t.extractfile(names[-1]).read()))
+d = d[~d.tools]
+print(d.groupby(["concurrency", "cell", "repeat"]).tpot.median().unstack("cell").to_string())
+PY
+    done ;;
   specsweep)  # issue 50: the controller against fixed K at chosen acceptances (replay proposer), B=1,8,32, one process
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -21,6 +21,7 @@ left-padded (host-side token counts reach the buffer index); see ``AlignedBatchK
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
 from mlxb.constrain.grammar import apply_row_masks
+
+GRAMMAR_ONE_LAUNCH = os.environ.get("MLXB_GRAMMAR_ONE_LAUNCH") == "1"
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
 from mlxb.engine.sharing import Sharing, sharing_off, probe as probe_sharing
 from mlxb.cache import shared as shared_cache
@@ -312,7 +315,10 @@ class Runner:
             # NOTE: a grammar row's mask for this step needs the token it sampled in the last one. The
             # forward is launched first; last step's tokens are read and emitted (matchers advance)
             # while it runs, then the masked sampling is built. Without grammar rows nothing changes.
-            mx.async_eval(logits)
+            # GRAMMAR_ONE_LAUNCH (diagnostic, MLXB_GRAMMAR_ONE_LAUNCH=1): read them first instead and
+            # launch forward and masked sampling together (one launch a step instead of two).
+            if not GRAMMAR_ONE_LAUNCH:
+                mx.async_eval(logits)
             te = time.perf_counter()
             early = self._emit_pending(inputs, self.pending, self.pending_geo)
             self.timing["early_s"] += time.perf_counter() - te  # the read and emit (wait_s's share here)
