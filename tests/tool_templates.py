@@ -92,6 +92,11 @@ FAMILIES = {
                   "{{ '<|\"|>' + v + '<|\"|>' }}{%- else %}{{ v | tojson }}{%- endif %}"
                   "{%- if not loop.last %}{{ ',' }}{%- endif %}{%- endfor %}{{ '}<tool_call|>' }}",
                   "<|tool_call>call:f{}<tool_call|>"), {}),
+    # gpt-oss's harmony calls as its template writes them (the recipient in the role header); the model itself
+    # opens a call in the channel header, which the forced grammar writes
+    "harmony": (_t("{{ '<|start|>assistant to=functions.' + tool_call.name + '<|channel|>commentary json<|message|>' + "
+                   + _ARGS + " + '<|call|>' }}", "<|start|>assistant<|channel|>commentary to=functions.NAME "
+                   "<|constrain|>json<|message|>{...}<|call|>"), {}),
     "llama3_json": (_t("{{ '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' + " + _ARGS + " + '}' }}"
                        "{%- if not loop.last %}{{ '; ' }}{%- endif %}",
                        '{"name": function name, "parameters": dictionary of argument name and its value}'), {}),

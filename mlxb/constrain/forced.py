@@ -9,7 +9,7 @@ parsed with the same parser, whatever the template.
 
 Each writer builds a Lark grammar for llguidance:
 
-* formats whose arguments are a JSON object (json_tools, mistral, kimi_k2, kimi_k3, llama3_json)
+* formats whose arguments are a JSON object (json_tools, mistral, kimi_k2, kimi_k3, llama3_json, harmony)
   embed the function's JSON Schema with ``%json``;
 * formats that write one argument per tag (qwen3_coder, glm47 / laguna, longcat, minimax_m2,
   minicpm5, muse_spark, gemma4, function_gemma) and pythonic keyword calls go property by property
@@ -142,6 +142,10 @@ def _llama3_json(g, name, params, i):
     return f"{g.lit('{' + _q('name') + ': ' + _q(name) + ', ' + _q('parameters') + ': ')} {g.json(params)} {g.lit('}')}"
 
 
+def _harmony(g, name, params, i):  # after "<|channel|>commentary to=functions."; <|call|> ends the turn
+    return f"{g.lit(name + ' <|constrain|>json<|message|>')} {g.json(params)}"
+
+
 def _mistral_json(g, name, params, i):
     return f"{g.lit('{' + _q('name') + ': ' + _q(name) + ', ' + _q('arguments') + ': ')} {g.json(params)} {g.lit('}')}"
 
@@ -227,6 +231,7 @@ WRITERS: dict[str, tuple] = {
     "mistral": (SECTION, _mistral_json, ", "),  # [TOOL_CALLS][{...}, {...}]
     "mistral_args": (SECTION, _mistral_args, "[TOOL_CALLS]"),  # [TOOL_CALLS]name[ARGS]{...}
     "llama3_json": (SECTION, _llama3_json, "; "),
+    "harmony": (EACH, _harmony, "<|start|>assistant"),  # each call its own message
 }
 
 

@@ -5,8 +5,8 @@
   ``function.arguments`` as an object (a JSON string is parsed), ``content`` "" instead of null,
   ``tool`` turns with their ``tool_call_id``; ``developer`` is rendered as ``system``.
 * ``ToolFormat`` is how the model writes a call: mlx-lm's own parser for the chat template
-  (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` / ``tool_call_end``), mlxb's parser for
-  Llama 3's JSON calls, or none; ``ToolFormat.json_tools()`` is the form asked of the rest.
+  (``TokenizerWrapper.tool_parser`` / ``tool_call_start`` / ``tool_call_end``), mlxb's parsers for
+  Llama 3's JSON calls and gpt-oss's harmony calls, or none; ``ToolFormat.json_tools()`` is the form asked of the rest.
 * ``constraint_grammar`` turns ``response_format``, ``structured_outputs`` (vLLM's extension:
   json / regex / grammar / choice) and a forced ``tool_choice`` into one llguidance grammar.
 """
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -152,6 +153,36 @@ def parse_llama3_json(text: str, tools: Any = None):
     return calls[0] if len(calls) == 1 else calls
 
 
+_HARMONY_NAME = re.compile(r"[A-Za-z0-9_\-]+")
+_HARMONY_HEAD = re.compile(r"\s*(<\|channel\|>\s*\w+)?\s*(<\|constrain\|>)?\s*(json)?\s*")
+# a harmony call opens in the channel header (how gpt-oss writes it) or in the role header (how its
+# template writes earlier calls); after the generation prompt's <|start|>assistant only the recipient is left
+HARMONY_STARTS = ("<|start|>assistant<|channel|>commentary to=functions.", "<|channel|>commentary to=functions.",
+                  "<|start|>assistant to=functions.", " to=functions.")
+
+
+def parse_harmony(text: str, tools: Any = None):
+    """gpt-oss's harmony call, the text after ``to=functions.``: ``NAME`` then the rest of the header
+    (``<|channel|>commentary``, ``<|constrain|>json`` or ``json``, in either order of the two headers)
+    then ``<|message|>`` and the JSON arguments; the ``<|call|>`` that ends it is the turn's stop token.
+    mlx-lm ships no parser for this format."""
+    m = _HARMONY_NAME.match(text)
+    if not m:
+        raise ValueError(f"no function name in {text[:40]!r}")
+    head, sep, body = text[m.end():].partition("<|message|>")
+    if not sep or not _HARMONY_HEAD.fullmatch(head):
+        raise ValueError(f"not a harmony call header: {head[:40]!r}")
+    body = body.strip()
+    args = json.loads(body) if body else {}
+    if not isinstance(args, dict):
+        raise ValueError(f"harmony call arguments are not an object: {body[:40]!r}")
+    return {"name": m.group(0), "arguments": args}
+
+
+def _is_harmony(template: Any) -> bool:
+    return isinstance(template, str) and all(k in template for k in ("<|channel|>", "<|message|>", "functions."))
+
+
 def _is_llama3_json(template: Any) -> bool:
     return isinstance(template, str) and "tool_call" in template and '"parameters": ' in template \
         and '{"name": "' in template
@@ -171,6 +202,7 @@ class ToolFormat:
     writer: Optional[str] = None
     source: str = "mlx-lm"
     keep_start: bool = False
+    starts: tuple = ()  # other spellings of the start tag (harmony: the recipient in either header)
 
     @classmethod
     def of(cls, tokenizer) -> "ToolFormat":
@@ -180,6 +212,9 @@ class ToolFormat:
         if parser is None or not start:
             if _is_llama3_json(template):
                 return cls(parse_llama3_json, '{"name"', "", "llama3_json", "llama3_json", "mlxb", keep_start=True)
+            if _is_harmony(template):
+                return cls(parse_harmony, HARMONY_STARTS[1], "<|call|>", "harmony", "harmony", "mlxb",
+                           starts=HARMONY_STARTS)
             return cls(None, None, None, None)
         mod = (getattr(parser, "__module__", "") or "").rsplit(".", 1)[-1] or None
         from mlxb.constrain.forced import WRITERS
@@ -195,6 +230,10 @@ class ToolFormat:
         from mlx_lm.tool_parsers import json_tools as jt
 
         return cls(jt.parse_tool_call, jt.tool_call_start, jt.tool_call_end, "json_tools", "json_tools", "mlxb")
+
+    @property
+    def all_starts(self) -> tuple:
+        return tuple(dict.fromkeys((self.start,) + self.starts)) if self.start else ()
 
     @property
     def on(self) -> bool:

@@ -40,12 +40,13 @@ class ToolCallStream:
         self.fmt, self.tools, self.max_calls = fmt, tools, max_calls
         self.buf = ""
         self.in_call = False
+        self.opened = fmt.start  # the spelling of the start tag that opened the current span
         self.num_calls = 0
 
     def _parse(self, span: str) -> Optional[list[dict]]:
         """The calls in one tagged span, numbered on from the calls before (``index``), or None."""
         try:
-            calls = _shape(self.fmt.parser(self.fmt.start + span if self.fmt.keep_start else span, self.tools))
+            calls = _shape(self.fmt.parser(self.opened + span if self.fmt.keep_start else span, self.tools))
         except Exception:
             return None
         if self.max_calls is not None:  # parallel_tool_calls false: the first call only
@@ -58,20 +59,22 @@ class ToolCallStream:
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self.buf += text
         events: list[tuple[str, Any]] = []
-        start, end = self.fmt.start, self.fmt.end
+        starts, end = self.fmt.all_starts, self.fmt.end
         while True:
             if not self.in_call:
-                i = self.buf.find(start)
-                if i < 0:
-                    keep = next((k for k in range(min(len(start) - 1, len(self.buf)), 0, -1)
-                                 if start.startswith(self.buf[-k:])), 0)
+                # the earliest start tag (the longest spelling where two begin at the same place)
+                hits = [(i, -len(s), s) for s in starts for i in [self.buf.find(s)] if i >= 0]
+                if not hits:
+                    keep = max((k for s in starts for k in range(min(len(s) - 1, len(self.buf)), 0, -1)
+                                if s.startswith(self.buf[-k:])), default=0)
                     emit, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                     if emit:
                         events.append(("content", emit))
                     return events
+                i, _, start = min(hits)
                 if i > 0:
                     events.append(("content", self.buf[:i]))
-                self.buf, self.in_call = self.buf[i + len(start):], True
+                self.buf, self.in_call, self.opened = self.buf[i + len(start):], True, start
             else:
                 j = self.buf.find(end) if end else -1
                 if j < 0:
@@ -79,7 +82,7 @@ class ToolCallStream:
                 span, self.buf, self.in_call = self.buf[:j], self.buf[j + len(end):], False
                 calls = self._parse(span)
                 if calls is None:
-                    events.append(("content", start + span + end))
+                    events.append(("content", self.opened + span + end))
                 elif calls:
                     events.append(("calls", calls))
 
@@ -91,7 +94,7 @@ class ToolCallStream:
         if self.in_call:
             calls = self._parse(self.buf) if self.buf.strip() and not (cut and self.fmt.end) else None
             if calls is None:
-                events.append(("content", self.fmt.start + self.buf))
+                events.append(("content", self.opened + self.buf))
             elif calls:
                 events.append(("calls", calls))
         elif self.buf:

@@ -12,7 +12,7 @@ import pytest
 
 from mlxb.constrain.forced import Lark, forced_calls
 from mlxb.constrain.toolprompt import TemplateTools
-from mlxb.constrain.tools import ToolFormat, parse_llama3_json
+from mlxb.constrain.tools import HARMONY_STARTS, ToolFormat, parse_harmony, parse_llama3_json
 from mlxb.server.toolcalls import ToolCallStream, split
 from tests.tool_templates import FAMILIES, family_folder
 
@@ -94,6 +94,31 @@ def test_llama3_json_calls_parse_with_a_python_tag_and_semicolons():
         parse_llama3_json('{"parameters": {}}')
 
 
+def test_harmony_calls_are_read_as_gpt_oss_writes_them():
+    fmt = ToolFormat(parse_harmony, HARMONY_STARTS[1], "<|call|>", "harmony", "harmony", "mlxb", starts=HARMONY_STARTS)
+    # after the analysis channel, a call in the channel header; <|call|> is the stop token, so not in the text
+    text = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo", "days": 3}')
+    body, calls = split(fmt, TOOLS, text)
+    assert _calls(calls) == [("get_weather", {"city": "Oslo", "days": 3})]
+    assert body == "<|channel|>analysis<|message|>Need weather.<|end|>"
+    s, events = ToolCallStream(fmt, TOOLS), []
+    for ch in text:
+        events += s.feed(ch)
+    events += s.finish()
+    assert [c for kind, v in events if kind == "calls" for c in v][0]["function"]["name"] == "get_weather"
+    assert "".join(v for kind, v in events if kind == "content") == body
+    # the recipient right after the generation prompt's <|start|>assistant (the role header)
+    body, calls = split(fmt, TOOLS, ' to=functions.search<|channel|>commentary json<|message|>{"q": "rain"}<|call|>')
+    assert body is None and _calls(calls) == [("search", {"q": "rain"})]
+    # a final answer is no call; a call whose arguments are not JSON comes back as text
+    assert split(fmt, TOOLS, "<|channel|>final<|message|>Sunny.") == ("<|channel|>final<|message|>Sunny.", [])
+    body, calls = split(fmt, TOOLS, "<|channel|>commentary to=functions.search <|message|>not json<|call|>")
+    assert not calls and "not json" in body
+    with pytest.raises(ValueError):
+        parse_harmony('search <|channel|>analysis<|start|>x<|message|>{}')
+
+
 def _sample(grammars, lark: str, rng: random.Random, limit: int = 400) -> str:
     """A random string of the grammar: each step a random allowed token, until only the end remains."""
     import llguidance
@@ -158,6 +183,10 @@ def _accepts(grammars, lark: str, text: str) -> bool:
     ("pythonic", '<|tool_call_start|>[get_weather(city="Oslo", days=3, unit="f")]<|tool_call_end|>',
      ['<|tool_call_start|>[get_weather(days=3)]<|tool_call_end|>',
       '<|tool_call_start|>[get_weather(city="Oslo", days=3, unit="k")]<|tool_call_end|>']),  # not in the enum
+    ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo","days":3}'
+                '<|call|>',
+     ['<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Oslo"}<|call|>',
+      '<|channel|>commentary to=functions.get_weather json<|message|>{"city":"Oslo","days":3}<|call|>']),  # header
     ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,days:3}<tool_call|>',
      ['<|tool_call>call:get_weather{days:3,city:<|"|>Oslo<|"|>}<tool_call|>',  # out of the schema's order
       '<|tool_call>call:get_weather{city:<|"|>Oslo<|"|>,,days:3}<tool_call|>']),  # a stray separator
