@@ -128,3 +128,33 @@ def test_constrained_rows_speculate_and_keep_their_grammar(llama):
     assert re.fullmatch(REGEX, out[1][0])
     assert eng.spec_stats()["verify_steps"] > 0
     assert any(r.spec_drafted for r in reqs[:3])  # constrained rows drafted too
+
+
+def test_a_kept_grammar_is_not_compiled_again_and_its_matchers_are_independent(llama):
+    model, tok, _ = llama
+    g = Grammars(tok, model.args.vocab_size, sorted(tok.eos_token_ids))
+    gs = g.validate(g.from_schema(SCHEMA, "s"), "s")
+    a = g.constraint(gs, "test")
+    start = a.bitmask().copy()
+    a.advance(tok.encode("{", add_special_tokens=False))
+    assert (a.bitmask() != start).any()
+
+    class NoCompile:  # a kept grammar reaches neither llguidance's validation nor its compiler
+        class LLMatcher:
+            def __init__(self, *args, **kw):
+                raise AssertionError("compiled again")
+
+            @staticmethod
+            def validate_grammar(*args):
+                raise AssertionError("validated again")
+
+    real, g.ll = g.ll, NoCompile
+    assert g.validate(gs, "s") == gs
+    b, c = g.constraint(gs, "test"), g.constraint(gs, "test")
+    assert (b.bitmask() == start).all()  # a copy of the unused matcher, not of a's
+    b.advance(tok.encode('{"n', add_special_tokens=False))
+    assert (c.bitmask() == start).all() and (b.bitmask() != a.bitmask()).any()
+    g.ll, g.KEEP = real, 2
+    for r in ("a+", "b+", "c+"):
+        g.constraint(g.validate(g.from_regex(r, "r"), "r"), "test")
+    assert len(g._matchers) == 2 and gs not in g._matchers  # least recently used out
