@@ -124,6 +124,7 @@ def folder_with_template(base: Path, out: Path, template: str, extra: dict | Non
             shutil.copyfile(f, dst)
     cfg = json.loads((base / "tokenizer_config.json").read_text())
     cfg["chat_template"] = template
+    cfg.pop("tool_parser_type", None)  # the base's parser (mlx_lm.convert writes the one it inferred) is not this template's
     cfg.update(extra or {})
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     return out
