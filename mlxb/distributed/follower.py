@@ -42,9 +42,10 @@ def run_follower(model, link: Link, reload: Optional[Callable] = None, disk_dir:
     return follow(model, link, reload, disk_dir)
 
 
-def _engine(model, w: list[int], i: int, reload: Optional[Callable], have: Optional[list]):
-    """ENGINE: the runner rank 0 just built (on a fresh shard first when the LoRA recipes changed), then
-    the KV projection forward its Engine runs next. Returns (runner, model, recipes, next index)."""
+def _engine(model, w: list[int], i: int, reload: Optional[Callable], have: Optional[list], link: Link):
+    """ENGINE: the runner rank 0 just built (on a fresh shard first when the LoRA recipes changed), its
+    shared-prefix probe, then the KV projection forward its Engine runs next. Returns (runner, model, recipes,
+    next index)."""
     from mlxb.cache.protocol import kv_projection, layer_kinds
 
     join_full, mask, n = JOIN_MODES[w[i + 1]], w[i + 2], w[i + 3]
@@ -58,9 +59,11 @@ def _engine(model, w: list[int], i: int, reload: Optional[Callable], have: Optio
     plan, used = _plan_from(w[r + 3 * n :], len(kinds))
     runner = Runner(model, kinds, join_full=join_full, faults=frozenset(f for k, f in enumerate(FAULTS) if mask >> k & 1),
                     kv_scheme=plan)
+    share_min = w[r + 3 * n + used]
+    runner.setup_sharing(None if share_min < 0 else share_min, lambda ok: link.agree(ok) == link.size)
     if all(k is not None for k in kinds):
         kv_projection(model, kinds, runner.kv)
-    return runner, model, want, r + 3 * n + used
+    return runner, model, want, r + 3 * n + used + 1
 
 
 def follow(model, link: Link, reload: Optional[Callable] = None, disk_dir: Optional[str] = None) -> int:
@@ -76,7 +79,7 @@ def follow(model, link: Link, reload: Optional[Callable] = None, disk_dir: Optio
         while i < len(w):
             op = w[i]
             if op == ENGINE:
-                runner, model, recipes, i = _engine(model, w, i, reload, recipes)
+                runner, model, recipes, i = _engine(model, w, i, reload, recipes, link)
                 runner.share = link.share
                 rows, cohort, store = {}, None, FollowerStore(runner.kinds, disk)
             elif op == NEW:  # key, LoRA adapter slot, prompt length, prompt ids

@@ -29,7 +29,9 @@ How the ranks stay in step (``TPRunner`` on rank 0):
   the process non-zero, which makes ``mlx.launch`` stop the other ranks.
 
 Refused under ``--tp``: ``--batch 1`` (the serial lane). Mirrored: the prompt cache (RAM and SSD tiers,
-``mlxb.distributed.cache``), speculation, LoRA (each rank holds its part of every adapter's factors).
+``mlxb.distributed.cache``), speculation, LoRA (each rank holds its part of every adapter's factors), shared-prefix
+KV (every rank decides the same sharing from the same token ids and row operations; its start-up probe runs on
+every rank and shares only where all ranks can).
 """
 
 from __future__ import annotations
@@ -58,9 +60,8 @@ class TPRunner(Runner):
     """Rank 0's runner: each call is sent to the other ranks before it runs here."""
 
     def __init__(self, model, kinds, *, link: Link, lora_recipes: Optional[list] = None, **kw):
-        kw.pop("share_min", None)  # shared-prefix KV is not mirrored (its start-up probe would run on rank 0 alone)
+        share_min = kw.pop("share_min", None)  # set up below, after ENGINE: its probe forward runs on every rank
         super().__init__(model, kinds, **kw)
-        self.sharing_off = "--tp: every rank keeps its rows' own copies"
         self.pipeline_verify = False  # the followers mirror each verify step as rank 0 tells it, in order
         self.link = link
         self.share = link.share
@@ -70,7 +71,8 @@ class TPRunner(Runner):
         recipes = [w for r in lora_recipes or [] for w in (r["seed"], r["rank"], r.get("num_layers", -1))]
         self._queued: list[int] = [ENGINE, JOIN_MODES.index(self.join_mode["full"]),
                                    sum(1 << i for i, f in enumerate(FAULTS) if f in self.faults),
-                                   len(lora_recipes or []), *recipes, *_plan_words(self.kv, len(kinds))]
+                                   len(lora_recipes or []), *recipes, *_plan_words(self.kv, len(kinds)),
+                                   -1 if share_min is None else share_min]
         self._gone: deque = deque()  # keys of rank-0 rows garbage-collected: followers drop theirs
         self._next_key = 0
         self._rows = weakref.WeakValueDictionary()  # key -> row (prompt-cache sources and seeds)
@@ -79,7 +81,8 @@ class TPRunner(Runner):
         self._async: deque = deque()  # words queued off the engine thread (the SSD writer's deletions)
         self.before_stop: list = []  # run before STOP (the prompt cache spills its RAM tier on every rank)
         self._last_message = time.monotonic()
-        self._flush()  # now: the Engine's KV projection forward comes next
+        self._flush()  # now: the shared-prefix probe (every rank), then the Engine's KV projection forward
+        self.setup_sharing(share_min, lambda ok: self.link.agree(ok) == self.link.size)
         self.link.busy_since = None
 
     def _flush(self, *words: int, kind: str = "work") -> None:

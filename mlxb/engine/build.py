@@ -210,8 +210,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
 
         raise ValidationError(f"--share-min-tokens {share_min_tokens}: give at least 1 (or --no-share-prefix to turn "
                               "sharing off)", param="share_min_tokens")
-    # NOTE: never under --tp: the runner's start-up probe is a forward on rank 0 alone (the other ranks keep copies)
-    engine_kw.setdefault("share_min", share_min_tokens if share_prefix and link is None else None)
+    # under --tp too: every rank runs the start-up probe after ENGINE and shares only where all ranks can
+    engine_kw.setdefault("share_min", share_min_tokens if share_prefix else None)
     if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
         from mlxb.models.synth import mlxb_home
 

@@ -119,12 +119,20 @@ class Runner:
         self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.distributed.leader)
         self.compiled = CompiledDecode(model, "compiled_mask_late" in faults, compile_decode == "all") if compile_decode else None
         self.sharing = None  # mlxb.engine.sharing.Sharing: rows that read one copy of a common prompt prefix
-        self.sharing_off = sharing_off(share_min, self.kv, join_full, kinds)
+        self.setup_sharing(share_min)
+
+    def setup_sharing(self, share_min: Optional[int], agree: Optional[Callable[[bool], bool]] = None) -> None:
+        """Shared-prefix KV on (``share_min``: the fewest common tokens worth sharing) when this runner's layers
+        and the model's attention allow it (a probe forward decides); ``agree`` (``--tp``): every rank's verdict
+        at once, sharing only where all ranks can."""
+        self.sharing, self.sharing_off = None, sharing_off(share_min, self.kv, self.join_mode["full"], self.kinds)
         if self.sharing_off is None:
-            self.sharing_off = probe_sharing(model, kinds)
+            self.sharing_off = probe_sharing(self.model, self.kinds)
+        if agree is not None and share_min is not None and not agree(self.sharing_off is None):
+            self.sharing_off = self.sharing_off or "another tensor-parallel rank cannot share"
         if self.sharing_off is None:
-            self.sharing = Sharing(kinds, share_min, offset_fault=1 if "shared_offset" in faults else 0)
-            shared_cache.MERGE_FAULT = "shared_merge" in faults
+            self.sharing = Sharing(self.kinds, share_min, offset_fault=1 if "shared_offset" in self.faults else 0)
+            shared_cache.MERGE_FAULT = "shared_merge" in self.faults
 
     def idle(self) -> None:
         """The engine has nothing to run (``mlxb.distributed.leader.TPRunner`` pings the other ranks)."""

@@ -94,6 +94,23 @@ def test_tp2_parity_spec_case_verify_steps_on_every_rank(fault):
     assert [(r["case"], r["steps"]) for r in d["results"]] == [("tiny-llama spec-b1", 26), ("tiny-llama spec-b4", 89)]
 
 
+@pytest.mark.parametrize("fault", [None, "shared_offset", "shared_merge"])
+def test_tp2_parity_shared_prefix_case_every_rank_reads_one_copy(fault):
+    """Shared-prefix KV sharded: every rank makes the same sharing decisions from the same token ids, so the
+    shared case (pairs and single joins over one prefix, a stranger, retirements) meets mlx-lm within its
+    envelope; the two planted faults inside the shared layer fail, which they cannot if sharing is off."""
+    extra = ["--plant-fault", fault] if fault else []
+    p = subprocess.run(LAUNCH + MLXB + ["parity", "-m", "tiny-llama", "--tp", "2", "--b", "3", "--case", "shared",
+                                        "--against", "live", "--json", *extra],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    d = _json(p.stdout)
+    if fault:
+        assert not d["ok"] and any(row["first_divergence"] for r in d["results"] for row in r["rows"]), fault
+        return
+    assert d["ok"], json.dumps(d)[:1500]
+    assert [(r["case"], r["steps"]) for r in d["results"]] == [("tiny-llama shared-b3", 32)]
+
+
 def _rank_pids(port: int) -> dict[int, int]:
     """rank -> pid of the processes serving on ``port``."""
     out = {}
@@ -298,3 +315,17 @@ def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
         if proc.poll() is None:
             proc.kill()
     assert _one_process(flags, lambda u: _staggered(u, asks, 32)) == texts
+
+
+def test_tp2_serve_agents_read_one_shared_prefix_on_every_rank():
+    """Agents with one long system prompt at --tp 2: /stats shows rows reading one shared prefix, every answer
+    is 200, and the prefix is freed with its last reader."""
+    from tests.server.test_shared_prefix_http import _fleet
+
+    def run(url):
+        return _fleet(url)
+
+    codes, best, after, _ = _sharded(["--no-prompt-cache"], run)
+    assert codes == [200] * 6
+    assert best["active"] and best["rows_sharing"] >= 2 and best["prefix_tokens"] >= 256, best
+    assert after["rows_sharing"] == 0 and after["prefix_tokens"] == 0
