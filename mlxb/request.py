@@ -111,6 +111,7 @@ class Request:
     mechanism: str = "continuous"  # "serial" | "continuous"
     num_generated: int = 0
     cached_tokens: int = 0
+    reads_prefix: int = 0  # leading prompt tokens it reads from the batch's live shared prefix from its first chunk
     # prompt lengths where prefill ends a chunk, so that a cache of exact snapshots (recurrent or sliding-window
     # layers) holds one there: a shared system prompt's end (gateway), a prefix shared with cached prompts (reuse)
     snapshot_at: list[int] = field(default_factory=list)

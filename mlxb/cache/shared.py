@@ -69,6 +69,9 @@ class SharedKV(tuple):
 class SharedBatchKVCache(AlignedBatchKVCache):
     """A full-attention batch layer whose sharing rows read one ``SharedPrefix`` (see the module notes)."""
 
+    # the own buffer grows in steps of 64 tokens, not mlx-lm's 256: a reader's own part is short (its task, its
+    # reply), so at 256 the unused columns would outweigh it, and admission charges every reader that width
+    step = 64
     prefix: Optional[SharedPrefix] = None
     share: list = []  # host flags, one per row
     _share_arr: Optional[mx.array] = None

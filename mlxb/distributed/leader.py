@@ -63,6 +63,7 @@ class TPRunner(Runner):
         share_min = kw.pop("share_min", None)  # set up below, after ENGINE: its probe forward runs on every rank
         super().__init__(model, kinds, **kw)
         self.pipeline_verify = False  # the followers mirror each verify step as rank 0 tells it, in order
+        self.read_live = False  # a joiner's seed from the live prefix is the engine's, not a mirrored call
         self.link = link
         self.share = link.share
         # an engine is being built: the other ranks build the same runner, then measure KV bytes with

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from mlxb.cache.shared import SharedBatchKVCache
 from mlxb.cache.protocol import admission_projection, layer_kinds
 from mlxb.engine.calls import EngineCalls
 from mlxb.engine.delivery import Delivery, Live
@@ -119,7 +120,8 @@ class Engine:
         r = self.runner
         return {"shared_tokens": sh.covers, "shared_bytes": self.projection.shared_bytes,
                 "prefix_bytes": lambda: sh.prefix_bytes(r.caches if r.merged else None),
-                "sharing_version": lambda: sh.version}
+                "sharing_version": lambda: sh.version, "prefix_start": r.reads_live,
+                "own_step": SharedBatchKVCache.step}
 
     # ---- caller side -----------------------------------------------------------------------
     @property

@@ -52,14 +52,24 @@ def token0_event(eng, req, cohort: int) -> None:
                         prefill_ms=round(1000 * (t.prefill_done - t.admitted), 2))
 
 
+def seed(eng, row, start: int, cohort: bool) -> None:
+    """A joiner's caches before its first chunk: its cached prefix lent by the prompt cache (``start`` tokens),
+    or, when it was admitted to read the live shared prefix (``req.reads_prefix``), that prefix without a copy
+    plus whatever the prompt cache holds past it."""
+    P = row.req.reads_prefix
+    if P:
+        eng.runner.seed(row, eng.reuse.seed(row.req, start) if start > P else None, cohort)
+    elif start > 0:
+        row.solo = eng.reuse.seed(row.req, start)
+
+
 def prefill_one(eng, chunk) -> None:
     """One joiner's prefill chunk alone; its last chunk samples token 0 and joins the batch."""
     live = eng._live[chunk.request_id]
     row = live.row
     try:
         if not row.seeded:
-            if chunk.start > 0:
-                row.solo = eng.reuse.seed(row.req, chunk.start)
+            seed(eng, row, chunk.start, cohort=False)
             row.seeded = True
         eng.runner.prefill_chunk(row, chunk.start, chunk.end, chunk.is_last)
         eng.trace.mark("chunk")
@@ -82,7 +92,7 @@ def prefill_one(eng, chunk) -> None:
         eng.trace.mark("join")
     else:  # finished at token 0: never joins
         if eng.reuse.keeps(row.req, status):
-            eng.reuse.put_finished(row.req.prompt_ids, row.solo, row.req.num_prompt_tokens, row.req.adapter)
+            eng.reuse.put_finished(row.req.prompt_ids, eng.runner.whole(row), row.req.num_prompt_tokens, row.req.adapter)
         eng.scheduler.on_finished(chunk.request_id, status)
 
 def prefill_cohort(eng, chunks) -> None:
@@ -91,8 +101,7 @@ def prefill_cohort(eng, chunks) -> None:
     rows = [lv.row for lv in lives]
     try:
         for c, row in zip(chunks, rows):
-            if c.start > 0:  # starts from a cached prefix
-                row.solo = eng.reuse.seed(row.req, c.start)
+            seed(eng, row, c.start, cohort=True)
             row.seeded = True
         eng.trace.mark("seed")
         caches, emitted = eng.runner.prefill_cohort(rows, [c.start for c in chunks], eng.reuse.cohort_snapshot(rows))

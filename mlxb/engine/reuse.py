@@ -91,7 +91,7 @@ class PrefixReuse:
         if pc.trimmable and not (chunk.is_last or chunk.shared):
             return
         key = tuple(row.req.prompt_ids[:chunk.end])
-        entry = pc.put(key, row.solo, adapter=row.req.adapter)
+        entry = pc.put(key, self.engine.runner.whole(row), adapter=row.req.adapter)
         pc.counters["mark_snapshots"] += chunk.end in row.req.snapshot_at
         if chunk.shared:
             self.fresh[key] = entry

@@ -49,7 +49,7 @@ from mlxb.request import Request, TokenLogprob
 # test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
           "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one", "compiled_mask_late",
-          "shared_offset", "shared_merge")
+          "shared_offset", "shared_merge", "live_seed_position")
 
 
 @dataclass
@@ -65,6 +65,7 @@ class Row:
     seeded: bool = False  # solo caches set up (from a cached prefix when prefill starts past 0)
     spec: Optional[RowSpec] = None  # speculation state (--spec), None when this row does not speculate
     shared: int = 0  # leading tokens this row reads from the batch's shared prefix (mlxb.engine.sharing)
+    live: Optional[tuple] = None  # the live prefix it reads from its first prefill chunk (Sharing.ref), if any
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Runner:
         self.share = lambda tokens: tokens  # --tp: rank 0's sampled tokens on every rank (mlxb.distributed.leader)
         self.compiled = CompiledDecode(model, "compiled_mask_late" in faults, compile_decode == "all") if compile_decode else None
         self.sharing = None  # mlxb.engine.sharing.Sharing: rows that read one copy of a common prompt prefix
+        self.read_live = True  # joiners may start their prefill at the live shared prefix (reads_live)
         self.setup_sharing(share_min)
 
     def setup_sharing(self, share_min: Optional[int], agree: Optional[Callable[[bool], bool]] = None) -> None:
@@ -132,6 +134,7 @@ class Runner:
             self.sharing_off = self.sharing_off or "another tensor-parallel rank cannot share"
         if self.sharing_off is None:
             self.sharing = Sharing(self.kinds, share_min, offset_fault=1 if "shared_offset" in self.faults else 0)
+            self.sharing.seed_fault = "live_seed_position" in self.faults
             shared_cache.MERGE_FAULT = "shared_merge" in self.faults
 
     def idle(self) -> None:
@@ -151,7 +154,31 @@ class Runner:
         if row.sampler.processors:
             row.context = mx.array(req.prompt_ids[:-1], dtype=mx.uint32)
         row.spec = row_spec(self, req)
+        if req.reads_prefix:  # admitted to start at the live prefix (Scheduler: prefix_start): keep a reference
+            assert self.sharing is not None and self.sharing.covers(req) == req.reads_prefix, req.request_id
+            row.live = self.sharing.ref()
         return row
+
+    def reads_live(self, req: Request) -> int:
+        """Prompt tokens ``req`` may skip by reading the live shared prefix from its first prefill chunk (no copy
+        of it, not computed): every layer must share (a sliding-window or recurrent layer needs the prefix in its
+        own state), and not under ``--tp`` (rank 0's engine seeds rows; the other ranks could not follow)."""
+        sh = self.sharing
+        if sh is None or not self.read_live or len(sh.layers) != len(self.kinds):
+            return 0
+        return sh.covers(req)
+
+    def seed(self, row: Row, lent: Optional[list], cohort: bool) -> None:
+        """Single-row caches for a joiner that reads the live prefix (``row.live``): ``lent`` holds its first
+        ``start`` cached tokens when the prompt cache had more than the prefix, else None."""
+        row.solo = self.sharing.seed(row.live, lent, cohort)
+        if not cohort:
+            row.shared = int(row.live[0].size)
+
+    @staticmethod
+    def whole(row: Row) -> list:
+        """A joiner's single-row caches with every token it holds or reads (a prompt-cache snapshot)."""
+        return [c.extract(0) if isinstance(c, shared_cache.SharedBatchKVCache) else c for c in row.solo]
 
     def prefill_chunk(self, row: Row, start: int, end: int, is_last: bool) -> None:
         ids = row.req.prompt_ids
@@ -264,6 +291,10 @@ class Runner:
         graph), otherwise per layer kind as a one-row batch."""
         row.base = row.req.num_prompt_tokens - self.num_steps  # the solo caches hold the whole prompt
         solo, row.solo = row.solo, []
+        if row.shared:  # it read the live prefix from its first chunk: shared batch layers already
+            self.sharing.cohort = row.live
+            self._attach([row], [token0], solo, merged=True)
+            return
         if self.rows:
             solo = [ROW_OPS[k].to_batch([c]) for k, c in zip(self.kinds, self._quantized(solo))]
         self._attach([row], [token0], solo, merged=bool(self.rows))

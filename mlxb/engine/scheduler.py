@@ -37,9 +37,11 @@ One memory ceiling: ``kv_budget`` covers live rows' projected bytes plus the pro
 bytes (``cache_bytes()``); admission evicts cache entries (``evict_cache(n)``) before it ever
 queues a row for memory. Shared-prefix KV: a live shared prefix is charged once (``prefix_bytes()``), and a
 running row whose prompt it opens is charged only for what it holds itself (``shared_tokens(req)`` tokens
-fewer in the layers that share). A row is charged whole while it prefills (its own caches hold the prefix
-until it joins the batch and drops it), and running rows are charged again at each iteration's admission
-(cheap: ``shared_tokens`` is asked once per row and prefix, ``sharing_version``).
+fewer in the layers that share). A joiner whose prompt opens with the live prefix starts its prefill there
+(``prefix_start(req)``, where the runner can seed it: every layer shares): it neither computes nor copies the
+prefix, and it is charged its own tokens from admission. Any other row is charged whole while it prefills (its
+own caches hold the prefix until it joins the batch and drops it). Running rows are charged again at each
+iteration's admission (cheap: ``shared_tokens`` is asked once per row and prefix, ``sharing_version``).
 
 Snapshot marks: a chunk also ends at each of the request's ``snapshot_at`` prompt lengths (set only where
 the cache keeps exact snapshots), so a later prompt that shares that prefix finds a snapshot there.
@@ -76,6 +78,8 @@ class Scheduler:
         shared_bytes: Callable[[int], int] = lambda n: 0,
         prefix_bytes: Callable[[], int] = lambda: 0,
         sharing_version: Callable[[], int] = lambda: 0,
+        prefix_start: Callable[[Request], int] = lambda req: 0,
+        own_step: int = 1,
     ):
         assert max_batch >= 1 and prefill_chunk >= 1
         self.max_batch = max_batch
@@ -101,20 +105,42 @@ class Scheduler:
         # the live prefix's own bytes (charged once, whatever the number of rows that read it)
         self.shared_tokens, self.shared_bytes, self.prefix_bytes = shared_tokens, shared_bytes, prefix_bytes
         self.sharing_version = sharing_version
+        self.prefix_start = prefix_start  # tokens a joiner may skip by reading the live prefix from its first chunk
+        # rows that read the live prefix share one own buffer, left-padded to its widest row and grown in steps of
+        # ``own_step`` tokens: each is charged that width (``_width``: the widest such row's own tokens)
+        self.own_step = max(1, own_step)
+        self._width = 0
         self._shared_memo: dict = {}  # request id -> (sharing version, tokens the live prefix serves it)
 
     # ---- admission -------------------------------------------------------------------------
-    def projected_bytes(self, req: Request, shared: bool = False) -> int:
-        """A row's worst-case KV bytes; with ``shared``, less what it reads from the live shared prefix (asked
-        once per row and prefix)."""
-        if not shared:
-            return self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+    def _reads(self, req: Request) -> int:
+        """Prompt tokens the live shared prefix serves ``req`` (asked once per row and prefix)."""
         v = self.sharing_version()
         memo = self._shared_memo.get(req.request_id)
         if memo is None or memo[0] != v:
-            whole = self.row_bytes(req.num_prompt_tokens + req.max_tokens)
-            memo = self._shared_memo[req.request_id] = (v, whole - self.shared_bytes(self.shared_tokens(req)))
+            memo = self._shared_memo[req.request_id] = (v, self.shared_tokens(req))
         return memo[1]
+
+    def _own(self, req: Request, P: int) -> int:
+        return req.num_prompt_tokens + req.max_tokens - P
+
+    def projected_bytes(self, req: Request, shared: bool = False, width: Optional[int] = None) -> int:
+        """A row's worst-case KV bytes; with ``shared``, less what it reads from the live shared prefix, and as
+        wide as the widest row that reads it (``width`` own tokens, default the current one): rows reading one
+        prefix hold their own tokens in one buffer whose width is its longest row's, in ``own_step`` steps."""
+        whole = self.row_bytes(req.num_prompt_tokens + req.max_tokens)
+        P = self._reads(req) if shared else 0
+        if not P:
+            return whole
+        w = max(self._own(req, P), self._width if width is None else width)
+        w = -(-w // self.own_step) * self.own_step
+        return min(whole, self.row_bytes(P + w) - self.shared_bytes(P))
+
+    def _readers(self) -> list:
+        """Admitted rows charged as readers of the live prefix: running rows it serves, and joiners admitted to
+        start at it."""
+        return ([r for r in self.running if self._reads(r)]
+                + [r for r in self.prefilling if r.reads_prefix and self._reads(r)])
 
     def check(self, req: Request) -> None:
         """Raise if ``req`` can never run; otherwise return (it may still have to wait)."""
@@ -151,7 +177,11 @@ class Scheduler:
         if len(self.running) + len(self.prefilling) >= self.max_batch:
             return False
         if self.kv_budget is not None:
-            need = self.used_bytes + self.projected_bytes(req)
+            need = self.used_bytes + self.projected_bytes(req, shared=self.prefix_start(req) > 0)
+            P = self._reads(req) if self.prefix_start(req) else 0
+            if P and self._own(req, P) > self._width:  # a wider reader widens every reader's share of the buffer
+                wide = self._own(req, P)
+                need += sum(self.projected_bytes(r, True, wide) - self.projected_bytes(r, True) for r in self._readers())
             if need > self.kv_budget:
                 return False
             over = need + self.cache_bytes() - self.kv_budget
@@ -194,10 +224,16 @@ class Scheduler:
                                 self.prefill_burst)
 
     def _reproject(self) -> None:
-        """Running rows that read the live prefix pay their own tokens; every other admitted row pays whole."""
-        for req in self.running:
+        """Rows that read the live prefix pay their own tokens at the readers' width; every other admitted row
+        pays whole."""
+        readers = self._readers()
+        self._width = max((self._own(r, self._reads(r)) for r in readers), default=0)
+        for req in readers:
             if req.request_id in self._projected:
                 self._projected[req.request_id] = self.projected_bytes(req, shared=True)
+        for req in self.running:  # no longer served by the live prefix: whole again
+            if req.request_id in self._projected and not self._reads(req):
+                self._projected[req.request_id] = self.projected_bytes(req)
         for rid in [k for k in self._shared_memo if k not in self._projected]:
             del self._shared_memo[rid]
 
@@ -211,12 +247,15 @@ class Scheduler:
                 req = self.prefilling[i]
             elif self.waiting and self._can_admit(self.waiting[0], evict=True):
                 req = self.waiting.popleft()
-                start = self._cached_start(req, out)
+                req.reads_prefix = self.prefix_start(req)
+                start = max(self._cached_start(req, out), req.reads_prefix)
                 req.cached_tokens = start
                 req.status = RequestStatus.PREFILLING
                 self.prefilling.append(req)
                 self.prefill_pos[req.request_id] = start
-                self._projected[req.request_id] = self.projected_bytes(req)
+                if req.reads_prefix:
+                    self._width = max(self._width, self._own(req, req.reads_prefix))
+                self._projected[req.request_id] = self.projected_bytes(req, shared=req.reads_prefix > 0)
                 out.admitted.append(req.request_id)
             else:
                 break

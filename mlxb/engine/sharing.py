@@ -95,11 +95,12 @@ class Sharing:
         self.min_tokens = max(1, min_tokens)
         self.min_saved = min_saved_default() if min_saved is None else min_saved
         self.offset_fault = offset_fault  # parity negative control only
+        self.seed_fault = False  # parity negative control only: a live-seeded joiner's positions lack the prefix
         self._tokens: Optional[np.ndarray] = None
         self.version = 0  # changes whenever the live prefix does (admission charges rows again)
         self.adapter = None
         self.prefixes: Optional[list] = None  # per shared layer
-        self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0, "cohorts": 0}
+        self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0, "cohorts": 0, "live_seeds": 0}
         self.cohort: Optional[tuple] = None  # (tokens, adapter, prefixes) of a cohort prefilled sharing, until it joins
         install()
 
@@ -233,15 +234,8 @@ class Sharing:
             if j not in self.layers:
                 caches.append(ROW_OPS[kind].to_batch(solos))
                 continue
-            own = [_dropped(s, P) if f else s for s, f in zip(solos, flags)]
-            c = AlignedBatchKVCache.merge(own) if any(o.size() for o in own) else AlignedBatchKVCache([0] * len(own))
-            c = SharedBatchKVCache.wrap(c)
-            c.offset = c.offset + mx.array([P if f else 0 for f in flags])
-            c.share, c.prefix = flags, prefixes[self.layers.index(j)]
-            c.offset_fault = self.offset_fault
-            if self.offset_fault:
-                c.offset = c.offset - mx.array([self.offset_fault if f else 0 for f in flags])
-            caches.append(c)
+            caches.append(self.reading([_dropped(s, P) if f else s for s, f in zip(solos, flags)], flags,
+                                       prefixes[self.layers.index(j)]))
         self.cohort = (tokens, adapter, prefixes)
         for i in take:
             rows[i].shared = P
@@ -249,6 +243,47 @@ class Sharing:
         self.counts["prefixes"] += 0 if self.live else 1
         self.counts["cohorts"] += 1
         return caches
+
+    def reading(self, own: list, flags: list, prefix: SharedPrefix) -> SharedBatchKVCache:
+        """One shared batch layer over single-row caches ``own`` (each row's tokens after the prefix where its flag
+        is set, its whole history otherwise): flagged rows read ``prefix``; positions stay the true ones."""
+        c = AlignedBatchKVCache.merge(own) if any(o.size() for o in own) else AlignedBatchKVCache([0] * len(own))
+        c = SharedBatchKVCache.wrap(c)
+        c.offset = c.offset + mx.array([prefix.n - self.offset_fault if f else 0 for f in flags])
+        c.share, c.prefix = list(flags), prefix
+        c.offset_fault = self.offset_fault
+        return c
+
+    def ref(self) -> tuple:
+        """The live prefix as (tokens, adapter, per-layer prefixes): what a joiner that reads it from its first
+        prefill chunk keeps until it joins (``seed``), whatever becomes of the batch's prefix meanwhile."""
+        return self.tokens, self.adapter, self.prefixes
+
+    def seed(self, ref: tuple, lent: Optional[list], cohort: bool) -> list:
+        """A joiner's single-row caches when its prefill starts at (or past) the live prefix ``ref`` without
+        holding a copy of it. ``lent``: the prompt cache's caches of its first ``start`` tokens (start > P), or None
+        (start == P). For a cohort (``cohort_caches`` merges them): plain caches whose first P tokens are the
+        prefix's own arrays (references, no copy). Alone: one shared layer per layer, holding only tokens P..start
+        and reading the prefix through its prefill, token 0 and its join."""
+        tokens, _, prefixes = ref
+        P = int(tokens.size)
+        self.counts["live_seeds"] += 1
+        if cohort:  # (Sharing.cohort_caches counts the rows it shares)
+            if lent is not None:
+                return lent
+            out = []
+            for p in prefixes:
+                c = KVCache()
+                c.keys, c.values, c.offset = p.keys, p.values, P
+                out.append(c)
+            return out
+        self.counts["rows_shared"] += 1
+        out = [self.reading([_dropped(lent[j], P) if lent is not None else KVCache()], [True], p)
+               for j, p in zip(self.layers, prefixes)]
+        if self.seed_fault:  # planted bug: RoPE positions count only the row's own tokens
+            for c in out:
+                c.offset = c.offset - P
+        return out
 
     def _share(self, caches: list, rows: list, take: list[int]) -> None:
         if not take:

@@ -40,6 +40,7 @@ class CaseResult:
     error: Optional[str] = None
     envelope: Optional[dict] = None  # the golden's envelope, printed with the result
     superseded: Optional[str] = None  # a shared golden this machine's live oracle overrules (``supersede_shared``)
+    exercised: Optional[dict] = None  # what the engine's run went through (shared-prefix counts), where reported
 
     @property
     def ok(self) -> bool:
@@ -52,7 +53,8 @@ class CaseResult:
                 "schedule_mismatch": self.schedule_mismatch, "error": self.error, "envelope_spec": self.envelope,
                 "rows": [{"row": r.row, "steps": r.steps, "exact": r.exact, "envelope": r.envelope,
                           "tokens_only": r.tokens_only, "missing": r.missing, "first_divergence": r.first_divergence,
-                          "envelope_worst": {"max_abs_logprob": r.worst[0], "kl_top5": r.worst[1]}} for r in self.rows]}
+                          "envelope_worst": {"max_abs_logprob": r.worst[0], "kl_top5": r.worst[1]}} for r in self.rows],
+                **({"exercised": self.exercised} if self.exercised is not None else {})}
 
     def counts(self) -> dict:
         return {k: sum(getattr(r, k) for r in self.rows) for k in ("steps", "exact", "envelope", "tokens_only", "missing")}

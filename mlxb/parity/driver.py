@@ -93,7 +93,12 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
             after = _produced(eng, records)
             feeds.append(({r: after[r] - before.get(r, 0) for r in after if after[r] > before.get(r, 0)},
                           eng.runner.spec_counts["verify_steps"] > verified))
-            chunks = [[int(c.request_id[1:]), c.start, c.end, c.is_last] for c in out.prefills] if out else []
+            chunks = []
+            for c in out.prefills if out else []:
+                start = c.start
+                if c.first and 0 < reqs[int(c.request_id[1:])].reads_prefix == c.start:
+                    start = 0  # it read those tokens from the live shared prefix; mlx-lm (no such prefix) computes them
+                chunks.append([int(c.request_id[1:]), start, c.end, c.is_last])
             entry = {"prefills": chunks, "forward": [int(r[1:]) for r in eng.last_forward]}
             if case.prefix:
                 entry["cached"] = {int(rid[1:]): reqs[int(rid[1:])].cached_tokens for rid in (out.admitted if out else [])}
@@ -121,6 +126,8 @@ def run_engine(model, tokenizer, case: Case, faults: frozenset = frozenset(), ru
     out = {"records": {str(r): v for r, v in records.items()}, "schedule_mismatch": mismatch}
     if case.spec:  # what the case exercised: verify steps, drafted and accepted tokens
         out["spec"] = {k: int(v) for k, v in eng.runner.spec_counts.items()}
+    if eng.runner.sharing is not None:  # what the case exercised: prefixes made, rows that read one, live reads
+        out["exercised"] = dict(eng.runner.sharing.counts)
     return out
 
 

@@ -287,6 +287,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
             r = compare(label, "live", ours[i]["records"], ref[i]["records"], tp_env)
             r.envelope = tp_env
             r.schedule_mismatch = mismatch
+            r.exercised = ours[i].get("exercised")
             results.append(r)
         if against in ("golden", "both"):
             g = gold[c.key]
@@ -299,6 +300,7 @@ def parity(t: Target, cases: list[Case], against: str, root: Path, machine: str,
                 r = compare(label, f"golden:{g['level']}", ours[i]["records"], g["records"], env)
                 r.envelope = env
             r.schedule_mismatch = mismatch
+            r.exercised = ours[i].get("exercised")
             results.append(r)
     return results
 

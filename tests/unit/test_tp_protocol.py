@@ -44,6 +44,9 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
+    def setup_sharing(self, share_min, agree=None):
+        self.sharing_min = share_min
+
     def new_row(self, req):
         self.calls.append(("new", req.prompt_ids, req.adapter))
         return ("row", len(self.calls))
@@ -88,7 +91,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     link = FakeLink()
     # rank 0's side of one engine's life, as TPRunner words (what _flush would send)
     faults = sum(1 << i for i, f in enumerate(FAULTS) if f == "scalar_rope")
-    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, 0, *tp._plan_words(None, 2)]  # 0: no LoRA recipes
+    engine = [tp.ENGINE, tp.JOIN_MODES.index("merge"), faults, 0, *tp._plan_words(None, 2), -1]  # 0: no LoRA recipes; -1: no sharing
     link.send(engine)
     link.send([tp.NEW, 0, -1, 3, 5, 6, 7, tp.NEW, 1, 2, 2, 8, 9, tp.CHUNK, 0, 0, 2, 1])
     link.send([tp.FIRST, 0])
@@ -113,7 +116,7 @@ def test_follower_replays_rank0_calls_in_order(monkeypatch):
     monkeypatch.setattr(mx, "synchronize", lambda *a: None)
     assert tp_follower.follow(None, link) == 0
     assert made["args"] == ("merge", frozenset(["scalar_rope"]), None) and not link.sent
-    assert made["projection"] == ["full", "full"]
+    assert made["projection"] == ["full", "full"] and made["runner"].sharing_min is None  # -1: no sharing
     r0, r1 = ("row", 1), ("row", 2)
     assert made["runner"].calls == [
         ("new", [5, 6, 7], -1), ("new", [8, 9], 2), ("chunk", r0, 0, 2, True), ("first", r0), ("join", r0, 42),
@@ -134,6 +137,9 @@ def test_tprunner_batches_row_moves_into_the_next_message():
             self.faults = kw.get("faults", frozenset())
             self.kv = None
             self.proposer = None  # no --spec
+
+        def setup_sharing(self, share_min, agree=None):
+            assert share_min is None  # (not given to this runner: no probe, no agreement)
 
         def new_row(self, req):
             return Row(None)
@@ -167,7 +173,7 @@ def test_tprunner_batches_row_moves_into_the_next_message():
 
 def _drive(link, sent_calls):
     r = tp.TPRunner(None, ["full", "full"], link=link, join_full="extend")
-    assert link.sent[0] == [tp.ENGINE, 0, 0, 0, -1]  # announced at once: the KV projection forward follows
+    assert link.sent[0] == [tp.ENGINE, 0, 0, 0, -1, -1]  # announced at once: the KV projection forward follows
 
     class Req:
         prompt_ids = [5, 6, 7]
@@ -196,6 +202,9 @@ def test_engine_message_with_lora_recipes_reloads_the_shard_once(monkeypatch):
         def __init__(self, model, kinds, **kw):
             self.model = model
 
+        def setup_sharing(self, share_min, agree=None):
+            assert share_min is None
+
     monkeypatch.setattr(tp_follower, "Runner", R)
     loads = []
 
@@ -204,13 +213,13 @@ def test_engine_message_with_lora_recipes_reloads_the_shard_once(monkeypatch):
         return f"model{len(loads)}"
 
     plan = tp._plan_words(KVPlan([KVScheme(4, 64, 0)], 0), 1)
-    w = [tp.ENGINE, 0, 0, 2, 1, 8, -1, 2, 4, 1, *plan, tp.DECODE]
+    w = [tp.ENGINE, 0, 0, 2, 1, 8, -1, 2, 4, 1, *plan, -1, tp.DECODE]
     want = [{"seed": 1, "rank": 8, "num_layers": -1}, {"seed": 2, "rank": 4, "num_layers": 1}]
-    runner, model, recipes, i = tp_follower._engine("base", w, 0, reload, None)
+    runner, model, recipes, i = tp_follower._engine("base", w, 0, reload, None, FakeLink())
     assert (runner.model, model, recipes, w[i]) == ("model1", "model1", want, tp.DECODE)
-    _, model, recipes, _ = tp_follower._engine(model, w, 0, reload, recipes)  # same recipes: no reload
+    _, model, recipes, _ = tp_follower._engine(model, w, 0, reload, recipes, FakeLink())  # same recipes: no reload
     assert model == "model1" and len(loads) == 1
-    _, model, recipes, _ = tp_follower._engine(model, [tp.ENGINE, 0, 0, 0, -1], 0, reload, recipes)  # none: base again
+    _, model, recipes, _ = tp_follower._engine(model, [tp.ENGINE, 0, 0, 0, -1, -1], 0, reload, recipes, FakeLink())  # none: base again
     assert recipes is None and loads == [want, None]
 
 
