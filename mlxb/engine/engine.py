@@ -279,6 +279,9 @@ class Engine:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return None
+            sh = self.runner.sharing
+            if sh is not None and self.runner.read_live:  # (not under --tp: the other ranks could not follow)
+                sh.pressure = self.scheduler.memory_bound
             t0 = time.perf_counter()
             self.trace.begin()
             before = dict(self.runner.timing) if self.trace.on else None

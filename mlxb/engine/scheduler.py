@@ -110,6 +110,7 @@ class Scheduler:
         # ``own_step`` tokens: each is charged that width (``_width``: the widest such row's own tokens)
         self.own_step = max(1, own_step)
         self._width = 0
+        self.memory_bound = False  # the queue's head waits for KV budget (set by admission, each iteration)
         self._shared_memo: dict = {}  # request id -> (sharing version, tokens the live prefix serves it)
 
     # ---- admission -------------------------------------------------------------------------
@@ -178,12 +179,14 @@ class Scheduler:
             return False
         if self.kv_budget is not None:
             need = self.used_bytes + self.projected_bytes(req, shared=self.prefix_start(req) > 0)
+            self.memory_bound = True  # (cleared below when it fits)
             P = self._reads(req) if self.prefix_start(req) else 0
             if P and self._own(req, P) > self._width:  # a wider reader widens every reader's share of the buffer
                 wide = self._own(req, P)
                 need += sum(self.projected_bytes(r, True, wide) - self.projected_bytes(r, True) for r in self._readers())
             if need > self.kv_budget:
                 return False
+            self.memory_bound = False
             over = need + self.cache_bytes() - self.kv_budget
             if over > 0 and evict:  # NOTE: cached prefixes give way to live rows, never the reverse
                 self.evict_cache(over)
@@ -239,6 +242,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._reproject()
+        self.memory_bound = False
         out = SchedulerOutput()
         budget = self.iteration_budget()
         i = 0

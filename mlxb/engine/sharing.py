@@ -94,6 +94,9 @@ class Sharing:
         self.layers = [i for i, k in enumerate(kinds) if k == "full"]
         self.min_tokens = max(1, min_tokens)
         self.min_saved = min_saved_default() if min_saved is None else min_saved
+        # the engine sets this while requests wait for KV budget: then any saving counts (the memory a prefix saves
+        # admits rows, which outweighs the cascade's cost on GPU backends below ``min_saved``)
+        self.pressure = False
         self.offset_fault = offset_fault  # parity negative control only
         self.seed_fault = False  # parity negative control only: a live-seeded joiner's positions lack the prefix
         self._tokens: Optional[np.ndarray] = None
@@ -103,6 +106,11 @@ class Sharing:
         self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0, "cohorts": 0, "live_seeds": 0}
         self.cohort: Optional[tuple] = None  # (tokens, adapter, prefixes) of a cohort prefilled sharing, until it joins
         install()
+
+    @property
+    def saving_floor(self) -> int:
+        """Row-tokens a new prefix must save: ``min_saved``, or any saving while admission waits for memory."""
+        return 0 if self.pressure else self.min_saved
 
     @property
     def tokens(self) -> Optional[np.ndarray]:
@@ -190,7 +198,7 @@ class Sharing:
                 self.tokens, self.prefixes, self.adapter = None, None, None
                 self.counts["unshared"] += 1
         rows = list(old_rows) + list(new_rows)
-        P, picked = plan([self._body(r) for r in rows], [r.req.adapter for r in rows], self.min_tokens, self.min_saved)
+        P, picked = plan([self._body(r) for r in rows], [r.req.adapter for r in rows], self.min_tokens, self.saving_floor)
         if not picked:
             return old, new
         src = picked[0]
@@ -218,7 +226,7 @@ class Sharing:
             prefixes, tokens, adapter = self.prefixes, self.tokens, self.adapter
         else:
             P, take = plan([np.asarray(r.req.prompt_ids[:s], dtype=np.int64) for r, s in zip(rows, starts)],
-                           [r.req.adapter for r in rows], self.min_tokens, self.min_saved)
+                           [r.req.adapter for r in rows], self.min_tokens, self.saving_floor)
             if len(take) < 2:
                 return None
             src = rows[take[0]].solo
@@ -309,6 +317,7 @@ class Sharing:
             "prefix_tokens": int(self.tokens.size) if self.live else 0,
             "rows_sharing": readers,
             "min_saved_row_tokens": self.min_saved,
+            "memory_bound": self.pressure,  # requests wait for KV budget: any saving counts for now
             "shared_bytes": shared,
             "bytes_saved": shared * max(0, readers - 1),
             **self.counts,

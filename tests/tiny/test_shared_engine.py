@@ -59,6 +59,21 @@ def test_rows_sharing_a_prefix_decode_as_with_copies_and_hold_fewer_bytes(name, 
     assert peak["kv"] < ref_peak["kv"]
 
 
+def test_a_saving_below_the_gpu_floor_is_shared_only_while_admission_waits_for_memory(tiny_models, monkeypatch):
+    """On GPU backends a new prefix must save ``GPU_MIN_SAVED`` row-tokens (the cascade's cost there). Under a
+    ``--kv-budget`` that holds only a few whole rows no plan could ever reach it, and the fleet would stay at the
+    copies' rows: while requests wait for memory, any saving counts. Without a budget the floor still holds."""
+    model, tok, _, _ = tiny_models("tiny-llama")
+    monkeypatch.setenv("MLXB_SHARE_MIN_SAVED", str(10 ** 9))  # the floor no fleet here can reach
+    ps = _fleet(n=7, prefix=600)[:-1]
+    one = Engine(model, tok, max_batch=8).projection.row_bytes(620 + 16)
+    _, _, free, free_stats = _serve(model, tok, ps, 64, max_tokens=16, delays=[0] * len(ps))
+    assert free_stats["prefixes"] == 0 and free_stats["memory_bound"] is False  # no pressure: the floor holds
+    _, _, on, stats = _serve(model, tok, ps, 64, max_tokens=16, kv_budget=int(3.5 * one), delays=[0] * len(ps))
+    assert stats["prefixes"] >= 1 and stats["min_saved_row_tokens"] == 10 ** 9
+    assert on["rows"] >= 5, (on, stats)
+
+
 def test_admission_fits_more_rows_under_one_budget_once_a_prefix_is_shared(tiny_models):
     model, tok, _, _ = tiny_models("tiny-llama")
     ps = _fleet(n=7, prefix=600)[:-1]
