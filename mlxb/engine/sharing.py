@@ -95,7 +95,8 @@ class Sharing:
         self.min_tokens = max(1, min_tokens)
         self.min_saved = min_saved_default() if min_saved is None else min_saved
         # the engine sets this while requests wait for KV budget: then any saving counts (the memory a prefix saves
-        # admits rows, which outweighs the cascade's cost on GPU backends below ``min_saved``)
+        # admits rows, which outweighs the cascade's cost on GPU backends below ``min_saved``), and a new prefix
+        # of a half-precision model keeps no float32 copy of its values (``SharedPrefix.keep_f32``)
         self.pressure = False
         self.offset_fault = offset_fault  # parity negative control only
         self.seed_fault = False  # parity negative control only: a live-seeded joiner's positions lack the prefix
@@ -204,7 +205,7 @@ class Sharing:
         src = picked[0]
         caches = old if src < len(old_rows) else new
         at = src if src < len(old_rows) else src - len(old_rows)
-        self.prefixes = [prefix_of(caches[i], at, P) for i in self.layers]
+        self.prefixes = [prefix_of(caches[i], at, P, keep_f32=not self.pressure) for i in self.layers]
         self.tokens = self._body(rows[src])[:P].copy()
         self.adapter = rows[src].req.adapter
         self.counts["prefixes"] += 1
@@ -230,8 +231,8 @@ class Sharing:
             if len(take) < 2:
                 return None
             src = rows[take[0]].solo
-            prefixes = [SharedPrefix(mx.contiguous(src[i].keys[..., :P, :]), mx.contiguous(src[i].values[..., :P, :]))
-                        for i in self.layers]
+            prefixes = [SharedPrefix(mx.contiguous(src[i].keys[..., :P, :]), mx.contiguous(src[i].values[..., :P, :]),
+                                     keep_f32=not self.pressure) for i in self.layers]
             tokens, adapter = np.asarray(rows[take[0]].req.prompt_ids[:P], dtype=np.int64), rows[take[0]].req.adapter
         if not take or any(type(rows[i].solo[j]) is not KVCache for i in take for j in self.layers):
             return None

@@ -164,3 +164,24 @@ def test_a_plan_must_save_enough_where_the_backend_asks_for_it():
     rows = [np.concatenate([pre, rng.integers(0, 999, 10)]) for _ in range(4)]
     assert plan(rows, [None] * 4, 64, min_saved=900)[1] == [0, 1, 2, 3]  # 300 x 3 saved
     assert plan(rows, [None] * 4, 64, min_saved=901) == (0, [])
+
+
+def test_a_prefix_without_its_float32_values_gives_the_same_bits_and_holds_less():
+    """Under memory pressure a half-precision prefix keeps no float32 copy of its values: the cascade casts them
+    per step to the same float32 values, so the output is bit-identical, and the prefix holds half the bytes."""
+    from mlxb.cache.shared import SharedPrefix
+
+    B, Hq, H, N, P, T, D = 3, 8, 2, 1, 200, 30, 64
+    dt = mx.bfloat16
+    q, kp, vp = _rand((B, Hq, N, D), 11, dt), _rand((1, H, P, D), 12, dt), _rand((1, H, P, D), 13, dt)
+    ks, vs = _rand((B, H, T, D), 14, dt), _rand((B, H, T, D), 15, dt)
+    share = mx.array([True, False, True])
+    outs, sizes = [], []
+    for keep in (True, False):
+        p = SharedPrefix(kp, vp, keep_f32=keep)
+        v = p.values if p.values32 is None else p.values32
+        outs.append(cascade_attention(q, SharedKV((ks, p.keys, share)), SharedKV((vs, v, share)), D ** -0.5, None))
+        sizes.append(p.nbytes)
+    assert outs[0].dtype == outs[1].dtype == dt
+    assert mx.array_equal(outs[0], outs[1]).item()
+    assert sizes[1] * 2 == sizes[0]  # bf16 keys + values, against + float32 values
