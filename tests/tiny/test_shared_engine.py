@@ -286,3 +286,50 @@ def test_live_joiners_with_a_planted_position_bug_differ_from_copies(tiny_models
     assert counts["live_seeds"] >= 2
     worst = max(float(np.abs(caps[k] - res[None][1][k]).max()) for k in res[None][1] if k in caps)
     assert toks != res[None][0] or worst >= 1e-3
+
+
+def test_a_live_seeded_joiner_outlives_the_prefix_it_started_at(tiny_models):
+    """A joiner starts its chunked prefill at the live prefix; every row that read it retires before the joiner's
+    last chunk, so the batch frees its prefix. The joiner still holds its reference, joins an empty batch (made
+    whole there) and decodes what it decodes with copies."""
+    model, tok, _, _ = tiny_models("tiny-llama")
+    rng = np.random.default_rng(11)
+    pre = rng.integers(3, 8000, size=200).tolist()
+    firsts = [pre + rng.integers(3, 8000, size=int(n)).tolist() for n in (7, 12)]
+    late = pre + rng.integers(3, 8000, size=1100).tolist()
+    res = {}
+    for share_min in (None, 64):
+        caps = {}
+        eng = Engine(model, tok, max_batch=8, share_min=share_min, prefill_chunk=256,
+                     capture=lambda rid, s, t, v, g: caps.__setitem__((rid, s), v.copy()))
+        streams, reqs = [], []
+
+        def submit(i, p, n):
+            req = Request(f"r{i}", p, n)
+            req.mechanism = "continuous"
+            st = OutputStream(req.request_id)
+            eng.accept(req, st)
+            streams.append(st)
+            reqs.append(req)
+
+        for i, p in enumerate(firsts):
+            submit(i, p, 4)
+        eng.iterate()  # an idle engine prefills both as one cohort; they join together
+        assert len(eng.runner.rows) == 2
+        submit(2, late, 6)
+        freed_before_join = False
+        for _ in range(100):
+            if not eng._live:
+                break
+            eng.iterate()
+            sh = eng.runner.sharing
+            if sh is not None and not sh.live and reqs[2].status.name == "PREFILLING":
+                freed_before_join = True
+        assert not eng._live
+        counts = dict(eng.runner.sharing.counts) if eng.runner.sharing else None
+        res[share_min] = ([[o.token for o in st if o.token is not None] for st in streams], caps, counts,
+                          reqs[2].cached_tokens, freed_before_join)
+    toks, caps, counts, cached, freed = res[64]
+    assert counts["live_seeds"] == 1 and cached == 200 and freed, (counts, cached, freed)
+    assert toks == res[None][0]
+    assert max(float(np.abs(caps[k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
