@@ -177,7 +177,10 @@ class Runner:
 
     @staticmethod
     def whole(row: Row) -> list:
-        """A joiner's single-row caches with every token it holds or reads (a prompt-cache snapshot)."""
+        """A joiner's single-row caches with every token it holds or reads (a prompt-cache snapshot): its own list
+        when it reads no live prefix (``--tp`` names snapshots by that identity)."""
+        if not row.shared:
+            return row.solo
         return [c.extract(0) if isinstance(c, shared_cache.SharedBatchKVCache) else c for c in row.solo]
 
     def prefill_chunk(self, row: Row, start: int, end: int, is_last: bool) -> None:
