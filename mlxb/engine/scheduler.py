@@ -53,6 +53,7 @@ it is added, never left to block the queue. Running rows are never evicted for m
 from __future__ import annotations
 
 from collections import deque
+from functools import lru_cache
 from typing import Callable, Optional
 
 from mlxb.engine.outputs import PrefillChunk, SchedulerOutput
@@ -87,7 +88,6 @@ class Scheduler:
         self.prefill_burst = max(prefill_burst or 8 * prefill_chunk, prefill_chunk)
         self.context_limit = context_limit
         self.kv_budget = kv_budget
-        self.row_bytes = row_bytes
         self.max_joiners = max_joiners or max_batch  # joiners prefilled in one iteration (--prompt-concurrency)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prefill in flight (only the first may be partial)
@@ -103,7 +103,10 @@ class Scheduler:
         self.num_shared = 0  # followers that started from a leader's snapshot in the same iteration
         # shared-prefix KV: prompt tokens a live shared prefix covers for a request, their bytes per row, and
         # the live prefix's own bytes (charged once, whatever the number of rows that read it)
-        self.shared_tokens, self.shared_bytes, self.prefix_bytes = shared_tokens, shared_bytes, prefix_bytes
+        self.shared_tokens, self.prefix_bytes = shared_tokens, prefix_bytes
+        # charges are asked per admitted row at every iteration: the byte counts (a loop over the layers) are
+        # pure in the token count, so each count is computed once
+        self.row_bytes, self.shared_bytes = lru_cache(maxsize=1 << 14)(row_bytes), lru_cache(maxsize=1 << 12)(shared_bytes)
         self.sharing_version = sharing_version
         self.prefix_start = prefix_start  # tokens a joiner may skip by reading the live prefix from its first chunk
         # rows that read the live prefix share one own buffer, left-padded to its widest row and grown in steps of
