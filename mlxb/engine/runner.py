@@ -13,7 +13,8 @@ It executes the scheduler's decisions on one running batch:
   ``mlxb.cache.protocol.ROW_OPS``.
 * ``decode_step`` is pipelined like mlx-lm's ``GenerationBatch``: it builds and launches step
   t+1 from the unread token register, then reads step t's tokens as integers.
-* ``filter`` retires rows (the extra lookahead KV write of a finished row is dropped with it).
+* ``filter`` retires rows (the extra lookahead KV write of a finished row is dropped with it;
+  ``mlxb.engine.retire``).
 
 After every join and filter the runner marks full-attention batch caches ``aligned`` when no row is
 left-padded (host-side token counts reach the buffer index); see ``AlignedBatchKVCache.make_mask``.
@@ -31,11 +32,12 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS, nbytes
+from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS
 from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.engine.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
+from mlxb.engine.retire import Retire
 from mlxb.constrain.grammar import apply_row_masks
 
 GRAMMAR_ONE_LAUNCH = os.environ.get("MLXB_GRAMMAR_ONE_LAUNCH") == "1"
@@ -76,7 +78,7 @@ class Emitted:
     grammar_done: bool = False  # the row's grammar is complete with this token: the row stops here
 
 
-class Runner:
+class Runner(Retire):
     def __init__(
         self,
         model,
@@ -410,68 +412,3 @@ class Runner:
         ]
         self.timing["emit_s"] += time.perf_counter() - t
         return out
-
-    # ---- retire ----------------------------------------------------------------------------
-    def extract_rows(self, indices: list[int]) -> list[tuple[Row, list, int]]:
-        """Per batch row ``i`` in ``indices``: (row, single-row caches, tokens those caches hold),
-        taken before a filter drops the rows. A lone adopted row hands its own caches back."""
-        cancel_ahead(self)
-        out = []
-        for i in indices:
-            row = self.rows[i]
-            if self.merged:
-                layers = [ROW_OPS[k].extract(c, i) for k, c in zip(self.kinds, self.caches)]
-            else:
-                layers = list(self.caches)
-            out.append((row, layers, row.base + self.num_steps))
-        return out
-
-    def filter(self, keep: list[int]) -> None:
-        """Keep rows ``keep`` (batch indices, in order)."""
-        if len(keep) == len(self.rows):
-            return
-        cancel_ahead(self)
-        if not keep:
-            self.drop_all()
-            return
-        if self.merged:
-            trim = "no_filter_trim" not in self.faults
-            self.caches = [ROW_OPS[k].filter(c, keep, trim) for k, c in zip(self.kinds, self.caches)]
-            if "kv_stale_scale" in self.faults and len(keep) > 1:  # planted bug: scales of the wrong rows
-                for c in self.caches:
-                    if hasattr(c, "bits") and c.keys is not None:
-                        c.keys = (c.keys[0], c.keys[1][::-1], c.keys[2])
-        else:
-            assert keep == [0]
-        idx = mx.array(keep)
-        self.register = self.register[idx]
-        self.rows = [self.rows[i] for i in keep]
-        if self.sharing is not None:
-            self.sharing.refresh(self.rows)
-        self.pending = [self.pending[i] for i in keep]
-        if self.pending_geo is not None:
-            self.pending_geo = [self.pending_geo[i] for i in keep]
-        self._align()
-
-    def _align(self) -> None:
-        """Mark full-attention batch caches aligned iff no row is left-padded (host-side lengths)."""
-        if not self.merged or self._geo_layer is None:
-            return
-        idx = self.caches[self._geo_layer]._idx  # every full/latent layer shares the buffer index
-        aligned = all(r.base + self.num_steps - r.shared == idx for r in self.rows)
-        aligned = aligned or "always_aligned" in self.faults  # planted bug: padded rows see their padding
-        for k, c in zip(self.kinds, self.caches):
-            if k in ("full", "latent"):
-                c.aligned = aligned
-
-    def drop_all(self) -> None:
-        if self.sharing is not None:
-            self.sharing.refresh([])
-        self.ahead = None
-        self.rows, self.pending, self.caches, self.register, self.merged = [], [], None, None, False
-        self.pending_geo = None
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(nbytes(c) for c in self.caches) if self.caches else 0
-
