@@ -281,6 +281,8 @@ def shared(
     budget_rows: float = typer.Option(0, "--budget-rows", min=0, help="Also run the engine as served under a --kv-budget "
                                       "of this many whole rows' KV, all --rows requests sent at once: peak rows decoding "
                                       "together, copies against sharing (0: skip)."),
+    cast_arm: bool = typer.Option(False, "--cast-arm", help="Also run the shared prefix without its float32 copy of "
+                                  "the values (the cascade casts them each step): arm shared-cast of the fleet cell."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default reports/results/)."),
 ) -> None:
     """In-process: shared-prefix KV against every row's own copy (KV bytes and decode step time), on the same
@@ -293,7 +295,7 @@ def shared(
     m, tok, spec, _ = load_model(model, dtype)
     with status("benchmarking shared-prefix KV ...") as st:
         res = run(m, layer_kinds(m), rows=rows, prefix=prefix, own=own, gen=gen, plain_rows=plain_rows,
-                  repeats=repeats, share_min=share_min, vocab=min(8000, len(getattr(tok, "vocab", {})) or 8000),
+                  repeats=repeats, share_min=share_min, cast_arm=cast_arm, vocab=min(8000, len(getattr(tok, "vocab", {})) or 8000),
                   progress=lambda s: st.update(f"shared-prefix KV: {s}"))
     summ = summarize(res)
     adm = []

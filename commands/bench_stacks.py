@@ -72,7 +72,7 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
     if base_url and any(groups.keys() - {()}):
         raise ValidationError("cells with server_args (" + ", ".join(c.name for c in chosen if c.server_args)
                               + ") need servers this command starts; leave out --base-url or those cells")
-    req_rows, summ_rows = [], []
+    req_rows, summ_rows, server_stats = [], [], []
     seed = _run_seed(seed)
     lab, root = labels(spec.name, dtype or spec.dtype, bench_name), Path("reports/results")
 
@@ -105,6 +105,12 @@ def _run_stacks(matrix, spec, path, tok, vocab, base_url, peer, batch, scale, ce
                     summ_rows += sm
                 finally:
                     for srv in started:
+                        st = srv.stats()  # what the server did (shared prefix, prompt cache, speculation), kept
+                        if st is not None:
+                            server_stats.append({"stack": srv.stack, "flags": srv.flags, "cells": names, "stats": st})
+                            (root / lab["run_id"]).mkdir(parents=True, exist_ok=True)
+                            (root / lab["run_id"] / "server-stats.json").write_text(
+                                json.dumps(server_stats, indent=1, default=str))
                         srv.stop()
     out = write_run(root, lab, req_rows, summ_rows)
     _print_summary(summ_rows)

@@ -53,6 +53,17 @@ class Server:
         except OSError:
             return ""
 
+    def stats(self, timeout: float = 10.0) -> Optional[dict]:
+        """An mlxb server's ``/stats`` (batching, prompt cache, shared prefix, speculation), or None (the peer has
+        none, or it did not answer)."""
+        if not self.stack.startswith("mlxb") or self.proc.poll() is not None:
+            return None
+        try:
+            r = httpx.get(f"http://127.0.0.1:{self.port}/stats", timeout=timeout)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def stop(self, grace: float = 10.0) -> Optional[int]:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -20,9 +20,12 @@ from mlxb.engine.runner import Runner
 from mlxb.request import Request, SamplingParams
 
 
-def _batch(model, kinds, prompts: list, share_min: Optional[int], group: int = 8) -> Runner:
+def _batch(model, kinds, prompts: list, share_min: Optional[int], group: int = 8,
+           values32: Optional[bool] = None) -> Runner:
     """Rows prefilled alone and joined ``group`` at a time (as a burst's cohorts join)."""
     r = Runner(model, kinds, share_min=share_min)
+    if r.sharing is not None:
+        r.sharing.values32 = values32
     if len(prompts) == 1:
         row = r.new_row(Request("r0", prompts[0], 1 << 20, SamplingParams(), ignore_eos=True))
         r.prefill_chunk(row, 0, len(prompts[0]) - 1, True)
@@ -44,8 +47,8 @@ def _batch(model, kinds, prompts: list, share_min: Optional[int], group: int = 8
     return r
 
 
-def _cell(model, kinds, prompts: list, gen: int, share_min: Optional[int]) -> dict:
-    r = _batch(model, kinds, prompts, share_min)
+def _cell(model, kinds, prompts: list, gen: int, share_min: Optional[int], values32: Optional[bool] = None) -> dict:
+    r = _batch(model, kinds, prompts, share_min, values32=values32)
     mx.eval(r.register)
     r.decode_step()  # the first step of this shape (not timed)
     mx.eval(r.register)
@@ -63,7 +66,9 @@ def _cell(model, kinds, prompts: list, gen: int, share_min: Optional[int]) -> di
 
 def run(model, kinds, *, rows: int = 16, prefix: int = 2048, own: int = 32, gen: int = 32, plain_rows: int = 8,
         plain_len: int = 256, repeats: int = 3, share_min: int = 256, vocab: int = 8000, seed: Optional[int] = None,
-        progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+        cast_arm: bool = False, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """``cast_arm``: the fleet cell also runs sharing whose prefix keeps no float32 copy of its values
+    (arm ``shared-cast``: the cascade casts them every step)."""
     seed = int(time.time()) if seed is None else seed
     out = []
     for rep in range(repeats):
@@ -73,33 +78,35 @@ def run(model, kinds, *, rows: int = 16, prefix: int = 2048, own: int = 32, gen:
         stray = [rng.integers(3, vocab, size=plain_len).tolist() for _ in range(plain_rows)]
         lone = [rng.integers(3, vocab, size=plain_len).tolist()]
         for cell, prompts in (("fleet", fleet), ("unshared", stray), ("b1", lone)):
-            arms = ("shared", "copies") if rep % 2 == 0 else ("copies", "shared")
-            for arm in arms:
+            arms = ("shared", "copies") + (("shared-cast",) if cast_arm and cell == "fleet" else ())
+            for arm in (arms if rep % 2 == 0 else arms[::-1]):
                 if progress:
                     progress(f"repeat {rep + 1}/{repeats}: {cell} ({len(prompts)} rows), {arm}")
-                res = _cell(model, kinds, prompts, gen, share_min if arm == "shared" else None)
+                res = _cell(model, kinds, prompts, gen, None if arm == "copies" else share_min,
+                            values32=False if arm == "shared-cast" else None)
                 out.append({"cell": cell, "arm": arm, "repeat": rep, "seed": seed + rep, "prefix_tokens": prefix
                             if cell == "fleet" else 0, "gen": gen, **res})
     return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per cell: medians (min, max over repeats) of shared / copies for step time and KV bytes."""
+    """Per cell and sharing arm: medians (min, max over repeats) of that arm / copies for step time and KV bytes."""
     out = []
-    for cell in dict.fromkeys(r["cell"] for r in rows):
+    for cell, arm in dict.fromkeys((r["cell"], r["arm"]) for r in rows if r["arm"] != "copies"):
         ratios = {"step": [], "kv": []}
         for rep in sorted({r["repeat"] for r in rows if r["cell"] == cell}):
-            a = next(r for r in rows if r["cell"] == cell and r["repeat"] == rep and r["arm"] == "shared")
+            a = next(r for r in rows if r["cell"] == cell and r["repeat"] == rep and r["arm"] == arm)
             b = next(r for r in rows if r["cell"] == cell and r["repeat"] == rep and r["arm"] == "copies")
             ratios["step"].append(b["step_ms"] / a["step_ms"])  # > 1: sharing is faster
             ratios["kv"].append(b["kv_bytes"] / max(1, a["kv_bytes"]))  # > 1: sharing holds fewer bytes
-        pick = [r for r in rows if r["cell"] == cell]
-        out.append({"cell": cell, "rows": pick[0]["rows"], "repeats": len(ratios["step"]),
+        pick = [r for r in rows if r["cell"] == cell and r["arm"] in (arm, "copies")]
+        out.append({"cell": cell if arm == "shared" else f"{cell} ({arm})", "rows": pick[0]["rows"],
+                    "repeats": len(ratios["step"]),
                     "speedup_median": float(np.median(ratios["step"])), "speedup_min": min(ratios["step"]),
                     "speedup_max": max(ratios["step"]), "kv_ratio_median": float(np.median(ratios["kv"])),
-                    "step_ms_shared": float(np.median([r["step_ms"] for r in pick if r["arm"] == "shared"])),
+                    "step_ms_shared": float(np.median([r["step_ms"] for r in pick if r["arm"] == arm])),
                     "step_ms_copies": float(np.median([r["step_ms"] for r in pick if r["arm"] == "copies"])),
-                    "kv_bytes_shared": int(np.median([r["kv_bytes"] for r in pick if r["arm"] == "shared"])),
+                    "kv_bytes_shared": int(np.median([r["kv_bytes"] for r in pick if r["arm"] == arm])),
                     "kv_bytes_copies": int(np.median([r["kv_bytes"] for r in pick if r["arm"] == "copies"]))})
     return out
 

@@ -73,9 +73,10 @@ class SharedKV(tuple):
 class SharedBatchKVCache(AlignedBatchKVCache):
     """A full-attention batch layer whose sharing rows read one ``SharedPrefix`` (see the module notes)."""
 
-    # the own buffer grows in steps of 64 tokens, not mlx-lm's 256: a reader's own part is short (its task, its
-    # reply), so at 256 the unused columns would outweigh it, and admission charges every reader that width
-    step = 64
+    # while rows read a prefix, the own buffer grows in steps of 64 tokens, not mlx-lm's 256: a reader's own part is
+    # short (its task, its reply), so at 256 the unused columns would outweigh it, and admission charges every
+    # reader that width. With no prefix it grows as mlx-lm's does (a smaller step regrows, and copies, 4x as often)
+    OWN_STEP = 64
     prefix: Optional[SharedPrefix] = None
     share: list = []  # host flags, one per row
     _share_arr: Optional[mx.array] = None
@@ -89,6 +90,10 @@ class SharedBatchKVCache(AlignedBatchKVCache):
         s.share = [False] * int(c.offset.shape[0])
         s.prefix, s._share_arr = None, None
         return s
+
+    @property
+    def step(self) -> int:
+        return self.OWN_STEP if self.prefix is not None else AlignedBatchKVCache.step
 
     @property
     def sharing(self) -> bool:

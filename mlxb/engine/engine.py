@@ -121,7 +121,7 @@ class Engine:
         return {"shared_tokens": sh.covers, "shared_bytes": self.projection.shared_bytes,
                 "prefix_bytes": lambda: sh.prefix_bytes(r.caches if r.merged else None),
                 "sharing_version": lambda: sh.version, "prefix_start": r.reads_live,
-                "own_step": SharedBatchKVCache.step}
+                "own_step": SharedBatchKVCache.OWN_STEP}
 
     # ---- caller side -----------------------------------------------------------------------
     @property

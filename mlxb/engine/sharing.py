@@ -98,6 +98,8 @@ class Sharing:
         # admits rows, which outweighs the cascade's cost on GPU backends below ``min_saved``), and a new prefix
         # of a half-precision model keeps no float32 copy of its values (``SharedPrefix.keep_f32``)
         self.pressure = False
+        # the float32 copy of a new prefix's values: None keeps it unless under pressure; True / False always / never
+        self.values32: Optional[bool] = None
         self.offset_fault = offset_fault  # parity negative control only
         self.seed_fault = False  # parity negative control only: a live-seeded joiner's positions lack the prefix
         self._tokens: Optional[np.ndarray] = None
@@ -107,6 +109,10 @@ class Sharing:
         self.counts = {"prefixes": 0, "rows_shared": 0, "unshared": 0, "cohorts": 0, "live_seeds": 0}
         self.cohort: Optional[tuple] = None  # (tokens, adapter, prefixes) of a cohort prefilled sharing, until it joins
         install()
+
+    @property
+    def keep_f32(self) -> bool:
+        return not self.pressure if self.values32 is None else self.values32
 
     @property
     def saving_floor(self) -> int:
@@ -205,7 +211,7 @@ class Sharing:
         src = picked[0]
         caches = old if src < len(old_rows) else new
         at = src if src < len(old_rows) else src - len(old_rows)
-        self.prefixes = [prefix_of(caches[i], at, P, keep_f32=not self.pressure) for i in self.layers]
+        self.prefixes = [prefix_of(caches[i], at, P, keep_f32=self.keep_f32) for i in self.layers]
         self.tokens = self._body(rows[src])[:P].copy()
         self.adapter = rows[src].req.adapter
         self.counts["prefixes"] += 1
@@ -232,7 +238,7 @@ class Sharing:
                 return None
             src = rows[take[0]].solo
             prefixes = [SharedPrefix(mx.contiguous(src[i].keys[..., :P, :]), mx.contiguous(src[i].values[..., :P, :]),
-                                     keep_f32=not self.pressure) for i in self.layers]
+                                     keep_f32=self.keep_f32) for i in self.layers]
             tokens, adapter = np.asarray(rows[take[0]].req.prompt_ids[:P], dtype=np.int64), rows[take[0]].req.adapter
         if not take or any(type(rows[i].solo[j]) is not KVCache for i in take for j in self.layers):
             return None

@@ -1,5 +1,6 @@
 """Load client against live servers: unsupported cells recorded, and `mlxb bench load` end to end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,9 @@ def test_bench_load_cli_against_mlxb_and_mlx_lm(tmp_path):
     assert (s["status"] == "ok").all() and (s["failed"] == 0).all()
     assert (s.loc[s["stack"] == "mlxb", "output_tokens"] == 32).all()  # ignore_eos: exactly 4 x 8
     assert s["machine_key"].nunique() == 1 and s["git_commit"].notna().all()
+    kept = json.loads((runs[0] / "server-stats.json").read_text())  # mlxb's /stats as it stopped; the peer has none
+    assert [k["stack"] for k in kept] == ["mlxb"]
+    assert {"batch", "prompt_cache", "shared_prefix", "engine"} <= set(kept[0]["stats"]) and kept[0]["stats"]["alive"]
     rep = subprocess.run([sys.executable, "-m", "mlxb.commands.main", "report", "--out", "r.html"], capture_output=True,
                          text=True, cwd=tmp_path, env=env)
     assert rep.returncode == 0 and "data:image/png" in (tmp_path / "r.html").read_text()
