@@ -281,8 +281,9 @@ def shared(
     budget_rows: float = typer.Option(0, "--budget-rows", min=0, help="Also run the engine as served under a --kv-budget "
                                       "of this many whole rows' KV, all --rows requests sent at once: peak rows decoding "
                                       "together, copies against sharing (0: skip)."),
-    cast_arm: bool = typer.Option(False, "--cast-arm", help="Also run the shared prefix without its float32 copy of "
-                                  "the values (the cascade casts them each step): arm shared-cast of the fleet cell."),
+    f32_arm: bool = typer.Option(False, "--f32-arm", help="Also run the shared prefix with a float32 copy of its "
+                                 "values (serve's --share-f32-values): arm shared-f32 of the fleet cell."),
+    cells: str = typer.Option("fleet,unshared,b1", "--cells", help="Cells to run: fleet, unshared, b1."),
     out: Optional[Path] = typer.Option(None, "--out", help="Results folder (default reports/results/)."),
 ) -> None:
     """In-process: shared-prefix KV against every row's own copy (KV bytes and decode step time), on the same
@@ -292,10 +293,19 @@ def shared(
     from mlxb.cache.protocol import layer_kinds
     from mlxb.models import load_model
 
+    def _cells(v: str) -> tuple:
+        from mlxb.errors import ValidationError
+
+        names = tuple(c.strip() for c in v.split(",") if c.strip())
+        bad = [c for c in names if c not in ("fleet", "unshared", "b1")]
+        if bad or not names:
+            raise ValidationError(f"--cells {v!r}: name some of fleet, unshared, b1", param="cells")
+        return names
+
     m, tok, spec, _ = load_model(model, dtype)
     with status("benchmarking shared-prefix KV ...") as st:
         res = run(m, layer_kinds(m), rows=rows, prefix=prefix, own=own, gen=gen, plain_rows=plain_rows,
-                  repeats=repeats, share_min=share_min, cast_arm=cast_arm, vocab=min(8000, len(getattr(tok, "vocab", {})) or 8000),
+                  repeats=repeats, share_min=share_min, f32_arm=f32_arm, cells=_cells(cells), vocab=min(8000, len(getattr(tok, "vocab", {})) or 8000),
                   progress=lambda s: st.update(f"shared-prefix KV: {s}"))
     summ = summarize(res)
     adm = []

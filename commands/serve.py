@@ -59,6 +59,7 @@ def serve(
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: run the products of 2 to 8 rows over weights of at most 4096x4096 (a batch's decode step, a speculative verify) through one kernel that reads each bf16/fp16 weight once, summing each row as MLX's one-row gemv does, instead of cuBLAS. Not bit-exact with mlx-lm's batch mode (cuBLAS); see the README."),
     share_prefix: bool = typer.Option(True, "--share-prefix/--no-share-prefix", help="Rows whose prompts open with the same long prefix (a fleet's system prompt and tools) read one copy of its KV instead of one copy each (full-attention layers; cascade attention, docs/shared-prefix.md)."),
     share_min_tokens: int = typer.Option(256, "--share-min-tokens", help="The fewest common prompt tokens worth sharing."),
+    share_f32_values: bool = typer.Option(False, "--share-f32-values", help="A shared prefix of a half-precision model also keeps its values in float32 while requests are not waiting for KV budget: a faster decode step (about 9% at 32 rows over 6k tokens on an H100) for the prefix's values held twice. Off: the prefix is stored once and cast per step (the same bits)."),
     prep_threads: int = typer.Option(4, "--prep-threads", min=0, help="Threads that validate and tokenize requests off the event loop (a burst of long prompts is tokenized in parallel while other requests stream); 0 does it on the loop."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
@@ -89,7 +90,8 @@ def serve(
                            draft_model=draft_model, spec_max_batch=spec_max_batch, spec_fixed=spec_fixed, spec_pipeline=spec_pipeline, tp=tp, tp_timeout=tp_timeout,
                            compile_decode=compile_decode, compile_batch=compile_batch, skinny_matmul=skinny_matmul,
                            fuse_projections=fuse_projections, share_prefix=share_prefix,
-                           share_min_tokens=share_min_tokens, prep_threads=prep_threads)
+                           share_min_tokens=share_min_tokens, share_f32_values=share_f32_values,
+                           prep_threads=prep_threads)
     import mlx.core as mx
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})

@@ -397,7 +397,7 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench shared -m /var/tmp/$m --rows ${ROWS:-32} --prefix ${PREFIX:-6144} \
       --own ${OWN:-64} --gen ${GEN:-32} --plain-rows ${PLAIN:-8} --repeats ${REPEATS:-3} --budget-rows ${BUDGET_ROWS:-4} \
-      $([ "${CAST:-0}" = 1 ] && echo --cast-arm) --out "$OUT/shared" 2>&1 | grep -v Warning | tail -${TAIL:-40} ;;
+      --cells ${CELLS:-fleet,unshared,b1} $([ "${F32:-0}" = 1 ] && echo --f32-arm) --out "$OUT/shared" 2>&1 | grep -v Warning | tail -${TAIL:-40} ;;
   agentloop)  # issue 46: C agents x K turns with tools, mlxb serve vs mlx_lm.server, fresh text per run, mlxb's trace
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

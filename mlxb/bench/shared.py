@@ -1,8 +1,8 @@
 """``mlxb bench shared``: shared-prefix KV against every row's own copy, in process, on one model.
 
-Per repeat (fresh prompts each repeat, both arms on the same prompts, arms alternated): ``rows`` rows whose
-prompts open with one ``prefix``-token prefix (plus ``own`` tokens of their own) are prefilled alone and
-joined one by one into a batch, as joiners do; then ``gen`` decode steps are timed. A second cell has rows
+Per repeat (fresh prompts each repeat, every arm on the same prompts): ``rows`` rows whose prompts open with
+one ``prefix``-token prefix (plus ``own`` tokens of their own) are prefilled alone and joined into a batch, as
+joiners do; every arm's batch is built, then ``gen`` decode steps per arm are timed in interleaved blocks. A second cell has rows
 with nothing in common (random prompts) at ``plain_rows`` rows: there nothing is shared and the arms should
 be level. Rows report KV bytes held by the batch after the joins, the shared bytes, and the mean decode step.
 """
@@ -21,7 +21,7 @@ from mlxb.request import Request, SamplingParams
 
 
 def _batch(model, kinds, prompts: list, share_min: Optional[int], group: int = 8,
-           values32: Optional[bool] = None) -> Runner:
+           values32: Optional[bool] = False) -> Runner:
     """Rows prefilled alone and joined ``group`` at a time (as a burst's cohorts join)."""
     r = Runner(model, kinds, share_min=share_min)
     if r.sharing is not None:
@@ -47,28 +47,42 @@ def _batch(model, kinds, prompts: list, share_min: Optional[int], group: int = 8
     return r
 
 
-def _cell(model, kinds, prompts: list, gen: int, share_min: Optional[int], values32: Optional[bool] = None) -> dict:
-    r = _batch(model, kinds, prompts, share_min, values32=values32)
-    mx.eval(r.register)
-    r.decode_step()  # the first step of this shape (not timed)
-    mx.eval(r.register)
-    t = time.perf_counter()
-    for _ in range(gen):
+def _cells(model, kinds, prompts: list, gen: int, arms: dict, blocks: int = 8) -> dict:
+    """Every arm's batch built first (``arms``: name -> (share_min, values32)), then their decode steps timed in
+    ``blocks`` interleaved blocks (arm order reversed every other block), so a drift of the device's speed
+    during the cell falls on every arm alike. Returns name -> row."""
+    runners = {a: _batch(model, kinds, prompts, sm, values32=v32) for a, (sm, v32) in arms.items()}
+    for r in runners.values():  # the first step of each shape (not timed)
+        mx.eval(r.register)
         r.decode_step()
-    mx.eval(r.register)
-    step_ms = 1000 * (time.perf_counter() - t) / gen
-    sh = r.sharing.stats(r.caches, r.rows) if r.sharing is not None else {}
-    out = {"rows": len(prompts), "kv_bytes": r.kv_bytes, "shared_bytes": sh.get("shared_bytes", 0),
-           "rows_sharing": sh.get("rows_sharing", 0), "step_ms": step_ms}
-    r.drop_all()
+        mx.eval(r.register)
+    spent, steps = dict.fromkeys(runners, 0.0), dict.fromkeys(runners, 0)
+    per = max(1, gen // blocks)
+    order = list(runners)
+    for b in range(max(1, blocks)):
+        for a in (order if b % 2 == 0 else order[::-1]):
+            r = runners[a]
+            t = time.perf_counter()
+            for _ in range(per):
+                r.decode_step()
+            mx.eval(r.register)
+            spent[a] += time.perf_counter() - t
+            steps[a] += per
+    out = {}
+    for a, r in runners.items():
+        sh = r.sharing.stats(r.caches, r.rows) if r.sharing is not None else {}
+        out[a] = {"rows": len(prompts), "kv_bytes": r.kv_bytes, "shared_bytes": sh.get("shared_bytes", 0),
+                  "rows_sharing": sh.get("rows_sharing", 0), "step_ms": 1000 * spent[a] / steps[a], "steps": steps[a]}
+        r.drop_all()
     return out
 
 
 def run(model, kinds, *, rows: int = 16, prefix: int = 2048, own: int = 32, gen: int = 32, plain_rows: int = 8,
         plain_len: int = 256, repeats: int = 3, share_min: int = 256, vocab: int = 8000, seed: Optional[int] = None,
-        cast_arm: bool = False, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """``cast_arm``: the fleet cell also runs sharing whose prefix keeps no float32 copy of its values
-    (arm ``shared-cast``: the cascade casts them every step)."""
+        f32_arm: bool = False, cells: tuple = ("fleet", "unshared", "b1"),
+        progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """``f32_arm``: the fleet cell also runs sharing whose prefix keeps a float32 copy of its values (arm
+    ``shared-f32``, serve's ``--share-f32-values``; the default arm ``shared`` casts them every step)."""
     seed = int(time.time()) if seed is None else seed
     out = []
     for rep in range(repeats):
@@ -78,12 +92,16 @@ def run(model, kinds, *, rows: int = 16, prefix: int = 2048, own: int = 32, gen:
         stray = [rng.integers(3, vocab, size=plain_len).tolist() for _ in range(plain_rows)]
         lone = [rng.integers(3, vocab, size=plain_len).tolist()]
         for cell, prompts in (("fleet", fleet), ("unshared", stray), ("b1", lone)):
-            arms = ("shared", "copies") + (("shared-cast",) if cast_arm and cell == "fleet" else ())
-            for arm in (arms if rep % 2 == 0 else arms[::-1]):
-                if progress:
-                    progress(f"repeat {rep + 1}/{repeats}: {cell} ({len(prompts)} rows), {arm}")
-                res = _cell(model, kinds, prompts, gen, None if arm == "copies" else share_min,
-                            values32=False if arm == "shared-cast" else None)
+            if cell not in cells:
+                continue
+            arms = {"shared": (share_min, False), "copies": (None, False)}
+            if f32_arm and cell == "fleet":
+                arms["shared-f32"] = (share_min, None)
+            if rep % 2:
+                arms = dict(reversed(list(arms.items())))
+            if progress:
+                progress(f"repeat {rep + 1}/{repeats}: {cell} ({len(prompts)} rows), arms {', '.join(arms)}")
+            for arm, res in _cells(model, kinds, prompts, gen, arms).items():
                 out.append({"cell": cell, "arm": arm, "repeat": rep, "seed": seed + rep, "prefix_tokens": prefix
                             if cell == "fleet" else 0, "gen": gen, **res})
     return out

@@ -152,7 +152,8 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                   max_lora_rank: Optional[int] = None, lora_path: Optional[str] = None, tp: int = 1, tp_timeout: float = 60.0,
                   compile_decode: bool = False, compile_batch: bool = False, skinny_matmul: bool = False,
                   fuse_projections: bool = False, tool_prompt: bool = True, share_prefix: bool = True,
-                  share_min_tokens: int = 256, prep_threads: int = 4, **engine_kw) -> Gateway:
+                  share_min_tokens: int = 256, share_f32_values: bool = False, prep_threads: int = 4,
+                  **engine_kw) -> Gateway:
     attention = choose_attention_kernels(cudnn_attention)  # before the first forward (the warm-up)
     graphs = cuda_graph_env()  # before the first GPU operation (the model's load)
     link = tp_link(tp, batch=batch) if tp > 1 else None
@@ -212,6 +213,7 @@ def build_gateway(model: Optional[str] = None, *, dtype: Optional[str] = None, b
                               "sharing off)", param="share_min_tokens")
     # under --tp too: every rank runs the start-up probe after ENGINE and shares only where all ranks can
     engine_kw.setdefault("share_min", share_min_tokens if share_prefix else None)
+    engine_kw.setdefault("share_f32_values", share_f32_values)
     if link is not None and link.rank != 0:  # no HTTP here: replay rank 0's runner calls until it stops
         from mlxb.models.synth import mlxb_home
 

@@ -60,6 +60,7 @@ class Engine:
         runner_cls=Runner,  # mlxb.distributed.leader.TPRunner (bound to its Link) under --tp
         compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
         share_min: Optional[int] = None,  # shared-prefix KV (mlxb.engine.sharing): fewest tokens worth sharing; None: off
+        share_f32_values: bool = False,  # a shared prefix also keeps its values in float32 while memory allows
     ):
         model = engine_view(model)  # load_model's already; a model built elsewhere gets the corrections here
         self.model, self.tokenizer = model, tokenizer
@@ -75,6 +76,8 @@ class Engine:
         self.runner = runner_cls(model, self.kinds, join_full=join_full, capture=capture, faults=faults, kv_scheme=self.kv_scheme, spec=spec,
                                  special_tokens=sorted(self.eos_ids), compile_decode=compile_decode,
                                  share_min=share_min)
+        if share_f32_values and self.runner.sharing is not None:
+            self.runner.sharing.values32 = None
         self.projection = admission_projection(model, self.kinds, self.kv_scheme, spec) if self.batchable else None
         self.reuse = PrefixReuse(self)  # the prompt cache's engine-side glue (off until attached)
         self.scheduler = Scheduler(

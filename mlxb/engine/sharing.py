@@ -98,8 +98,10 @@ class Sharing:
         # admits rows, which outweighs the cascade's cost on GPU backends below ``min_saved``), and a new prefix
         # of a half-precision model keeps no float32 copy of its values (``SharedPrefix.keep_f32``)
         self.pressure = False
-        # the float32 copy of a new prefix's values: None keeps it unless under pressure; True / False always / never
-        self.values32: Optional[bool] = None
+        # a float32 copy of a new prefix's values (half-precision models): False never (the prefix is stored once;
+        # the cascade casts its values each step), None while memory does not bind (serve --share-f32-values:
+        # a faster step, the prefix's values held twice), True always
+        self.values32: Optional[bool] = False
         self.offset_fault = offset_fault  # parity negative control only
         self.seed_fault = False  # parity negative control only: a live-seeded joiner's positions lack the prefix
         self._tokens: Optional[np.ndarray] = None
@@ -325,6 +327,7 @@ class Sharing:
             "rows_sharing": readers,
             "min_saved_row_tokens": self.min_saved,
             "memory_bound": self.pressure,  # requests wait for KV budget: any saving counts for now
+            "f32_values": {False: "never", None: "while memory allows", True: "always"}[self.values32],
             "shared_bytes": shared,
             "bytes_saved": shared * max(0, readers - 1),
             **self.counts,
