@@ -127,8 +127,14 @@ def _spec_sweep(model, dtype, spec, draft_model, k, ngram, max_batch, pipeline, 
     for c in ("B", "P", *arms, "best fixed", "auto / max(best, 1)"):
         t.add_column(c)
     for r in res["summary"]:
-        cell = lambda a: (f"{r['arms'][a]['ratio_median']:.3f} ({r['arms'][a]['ratio_min']:.2f}-"  # noqa: E731
-                          f"{r['arms'][a]['ratio_max']:.2f})") if a in r["arms"] else "-"
+        def cell(a, r=r):
+            m = r["arms"].get(a)
+            if m is None:
+                return "-"
+            if m["ratio_median"] is None:
+                return f"failed ({m['failed']})"
+            return f"{m['ratio_median']:.3f} ({m['ratio_min']:.2f}-{m['ratio_max']:.2f})"
+
         t.add_row(str(r["B"]), f"{r['miss']:g}", *[cell(a) for a in arms], r["best_fixed"] or "-",
                   "-" if r["auto_vs_best"] is None else f"{r['auto_vs_best']:.3f}")
     console.print(t)

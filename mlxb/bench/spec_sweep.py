@@ -16,6 +16,8 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Optional
 
+import mlx.core as mx
+
 from mlxb.bench.kv import _decode_tps
 from mlxb.bench.spec import ReplayProposer, greedy_tails, prompts_for, steps_by_decision
 from mlxb.engine.engine import Engine
@@ -61,12 +63,16 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                         if arm != "plain":
                             e.runner.proposer = ReplayProposer([p + t for p, t in zip(prompts, tails)], miss, vocab,
                                                                seed=rep)
+                        failed = None
                         try:
                             tps = _decode_tps(e, prompts, gen, prefill_chunk)
+                        except RuntimeError as err:  # a row failed (out of device memory at this B, say): a
+                            tps, failed = None, str(err)[:300]  # recorded arm, and the sweep goes on
+                            mx.clear_cache()
                         finally:
                             e.runner.proposer = real
                         c = e.runner.spec_counts
-                        row = {"B": b, "repeat": rep, "miss": miss, "arm": arm, "tok_s": tps,
+                        row = {"B": b, "repeat": rep, "miss": miss, "arm": arm, "tok_s": tps, "failed": failed,
                                "drafted": c["drafted"] - before.get("drafted", 0),
                                "accepted": c["accepted"] - before.get("accepted", 0)}
                         row.update(plain_step_ms(tm0, e.runner.timing))
@@ -74,10 +80,12 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                             row.update(steps_by_decision(e.runner.step_cost.trace, b))
                             row["cost_ratio"] = e.runner.step_cost.ratio_at(b)
                         block.setdefault(arm, []).append(row)
-                    plain = statistics.mean(r["tok_s"] for r in block["plain"])
+                    ok = [r["tok_s"] for r in block["plain"] if r["tok_s"] is not None]
+                    plain = statistics.mean(ok) if ok else None
                     for arm, got in block.items():
                         for r in got:
-                            r["ratio"] = r["tok_s"] / plain if arm != "plain" else None
+                            r["ratio"] = (r["tok_s"] / plain if arm != "plain" and plain and r["tok_s"] is not None
+                                          else None)
                             rows.append(r)
     finally:
         for e in engines.values():
@@ -105,15 +113,18 @@ def summarize(rows: list[dict]) -> list[dict]:
             sel = [r for r in rows if r["B"] == b and r["miss"] == miss and r["arm"] != "plain"]
             med = {}
             for arm in sorted({r["arm"] for r in sel}):
-                ratios = [r["ratio"] for r in sel if r["arm"] == arm]
+                ratios = [r["ratio"] for r in sel if r["arm"] == arm and r["ratio"] is not None]
+                if not ratios:  # every repeat of this arm failed (its rows say why)
+                    med[arm] = {"ratio_median": None, "failed": sum(1 for r in sel if r["arm"] == arm)}
+                    continue
                 drafted = sum(r["drafted"] for r in sel if r["arm"] == arm)
                 med[arm] = {"ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                             "ratio_max": max(ratios),
                             "acceptance": sum(r["accepted"] for r in sel if r["arm"] == arm) / drafted if drafted else None}
-            fixed = {a: v for a, v in med.items() if a.startswith("fixed")}
+            fixed = {a: v for a, v in med.items() if a.startswith("fixed") and v["ratio_median"] is not None}
             best = max(fixed, key=lambda a: fixed[a]["ratio_median"]) if fixed else None
             auto = med.get("auto")
             out.append({"B": b, "miss": miss, "arms": med, "best_fixed": best,
                         "auto_vs_best": (auto["ratio_median"] / max(fixed[best]["ratio_median"], 1.0)
-                                         if auto and best else None)})
+                                         if auto and auto["ratio_median"] is not None and best else None)})
     return out

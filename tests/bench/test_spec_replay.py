@@ -52,6 +52,11 @@ def test_sweep_summary_names_the_best_fixed_k_and_floors_it_at_plain():
     assert hi["arms"]["auto"]["acceptance"] == 0.5
     # every fixed K loses at P=1: the best choice is not to speculate, so the controller is held to plain
     assert lo["best_fixed"] == "fixed2" and lo["auto_vs_best"] == pytest.approx(0.99)
+    # an arm that failed (out of device memory at this B) is counted, not ranked, and the rest still compare
+    failed = [row("fixed8", None, 0.3), row("fixed8", None, 0.3), row("fixed2", 1.1, 0.3), row("auto", 1.05, 0.3)]
+    (mid,) = [r for r in summarize(rows + failed) if r["miss"] == 0.3]
+    assert mid["arms"]["fixed8"] == {"ratio_median": None, "failed": 2}
+    assert mid["best_fixed"] == "fixed2" and mid["auto_vs_best"] == pytest.approx(1.05 / 1.1)
 
 
 @pytest.mark.full
