@@ -395,7 +395,7 @@ class Engine:
                 for rid in failed:
                     s.on_finished(rid, RequestStatus.FINISHED_ERROR)
                     self.delivery.finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
-                self.reuse.after_device_error(e)
+                self.reuse.after_device_error(e, whole=True)
                 self.device_health.failed(e)
                 return
             self.device_health.ok()

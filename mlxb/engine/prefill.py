@@ -30,8 +30,9 @@ def prefill_failed(eng, failed: list, e: Exception) -> None:
     oom = is_out_of_memory(e) or eng._requeued_this_iteration
     if not oom:  # out of memory is the rows' size against what is free, handled here by requeueing
         eng.device_health.failed(e)
-    if not eng._requeued_this_iteration:
-        eng.reuse.after_device_error(e)  # evicts the RAM tier on memory errors, clears MLX's cache
+    if not eng._requeued_this_iteration:  # memory errors: MLX's cache, then prompt-cache entries, LRU first
+        need = sum(eng.scheduler.projected_bytes(live.req) for _, live in failed)
+        eng.reuse.after_device_error(e, need, whole=any(live.req.requeues > 0 for _, live in failed))
     for chunk, live in failed:
         if oom and live.req.requeues < MAX_REQUEUES:
             live.req.requeues += 1

@@ -155,6 +155,50 @@ def test_memory_pressure_and_an_out_of_memory_prefill_give_cache_memory_back(tin
         eng.shutdown()
 
 
+def test_an_out_of_memory_prefill_gives_back_the_least_recently_used_entries_first(tiny_models):
+    """A first out-of-memory prefill evicts the oldest entries (a quarter of the tier at least), not every
+    conversation the fleet has cached; a repeated one empties the tier. Emptying it at once made a 32-agent
+    loop's next turns prefill their whole conversations (H100, stop 59)."""
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=4)
+    pc = PromptCache(model, eng.kinds, max_bytes=1 << 30)
+    eng.attach_prompt_cache(pc)
+    eng.start()
+
+    def ask(rid, prompt):
+        st = OutputStream(rid)
+        eng.submit(Request(rid, prompt, 3), st)
+        return list(st)[-1]
+
+    real = eng.runner.prefill_chunk
+    left = [0]
+
+    def chunk(*a, **k):
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return real(*a, **k)
+
+    try:
+        convs = [list(range(1000 * i + 10, 1000 * i + 90)) for i in range(1, 9)]
+        for i, c in enumerate(convs):
+            assert ask(f"c{i}", c).error is None
+        first = lambda: {int(e.tokens[0]) for e in pc.ram.entries()}  # noqa: E731 (a conversation's first token)
+        assert len(pc.ram.entries()) == 8 and first() == {c[0] for c in convs}
+        eng.runner.prefill_chunk = chunk
+        left[0] = 1  # one transient failure: the row is requeued and runs
+        assert ask("x", list(range(20000, 20080))).error is None
+        assert {c[0] for c in convs[-5:]} <= first()  # the newest conversations stay
+        assert convs[0][0] not in first()  # the oldest gave its memory back
+        left[0] = 2  # failing again on its retry: the whole tier goes, then the row runs
+        assert ask("y", list(range(30000, 30080))).error is None
+        assert not {c[0] for c in convs} & first()
+        assert eng.counters["requeued"] == 3
+    finally:
+        eng.runner.prefill_chunk = real
+        eng.shutdown()
+
+
 def test_a_burst_whose_leader_runs_out_of_memory_is_requeued_whole(tiny_models):
     """The shared leader's chunk fails for memory: its followers (seeded from the leader's snapshot in
     the same iteration) go back to the queue too, and every row ends with its undisturbed tokens."""
