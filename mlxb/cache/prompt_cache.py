@@ -28,6 +28,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 from mlxb.cache import snapshot as snap
 from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
 from mlxb.cache.ssd import DiskTier
+from mlxb.engine.allocator import trim_allocator_cache
 
 log = logging.getLogger("mlxb.prompt_cache")
 _CLASSES = {"full": KVCache, "latent": KVCache, "rotating": RotatingKVCache, "ssm": ArraysCache}
@@ -83,9 +84,8 @@ def prepare_payload(layers: list) -> tuple[dict, dict]:
             arr = mx.array([ord(ch) for ch in v])
         else:
             raise ValueError(f"cache state is not serializable: {type(v).__name__}")
-        arr = mx.contiguous(arr)
-        mx.eval(arr)
-        tensors[key] = arr
+        tensors[key] = mx.contiguous(arr)
+    mx.eval(list(tensors.values()))  # one wait for the whole entry, not one per tensor
     meta = dict(tree_flatten([{}, [type(c).__name__ for c in layers], scalars]))
     return tensors, {k: str(v) for k, v in meta.items()}
 
@@ -130,6 +130,7 @@ class PromptCache:
         self.ram = PrefixCache(max_bytes, max_entries, on_evict=self._spill)
         self.memory_limit = memory_limit
         self.num_pressure_evictions = 0
+        self.num_pool_trims = 0  # MLX free-buffer pool returned under pressure (``relieve_pressure``)
         for ns in [self.namespace, *self.adapter_namespaces]:
             self.ram.add_namespace(ns, self.trimmable)
         self.disk: Optional[DiskTier] = None
@@ -266,11 +267,21 @@ class PromptCache:
         return self.ram.evict(num_bytes)
 
     def relieve_pressure(self) -> int:
-        """Keep device memory under ``memory_limit``: first return MLX's cached free buffers, then
-        evict entries while the arrays in use still exceed it. Returns the entry bytes freed."""
+        """Keep device memory under ``memory_limit``: while the arrays in use exceed it, return MLX's
+        cached free buffers and evict entries. Returns the entry bytes freed.
+
+        Where only the arrays in use plus MLX's free-buffer pool pass the limit, the pool is trimmed only
+        once it outgrows the allocator's slack (``trim_allocator_cache``): MLX reuses those buffers itself
+        and returns them when an allocation needs the room. Clearing the pool on every insert past the limit
+        (each retiring row stores one) cost an H100 32-agent loop its warm repeat: retirements grew to
+        300-400 ms and the steps after each paid again to allocate (``reports/h100/session60``)."""
         if self.memory_limit is None:
             return 0
-        if mx.get_active_memory() + mx.get_cache_memory() <= self.memory_limit:
+        active = mx.get_active_memory()
+        if active + mx.get_cache_memory() <= self.memory_limit:
+            return 0
+        if active <= self.memory_limit:
+            self.num_pool_trims += trim_allocator_cache()
             return 0
         mx.clear_cache()
         over = mx.get_active_memory() - self.memory_limit
@@ -289,6 +300,7 @@ class PromptCache:
             self.ram.remove(e)
         self.ram.num_evictions = 0
         self.num_pressure_evictions = 0
+        self.num_pool_trims = 0
         for k in self.counters:
             self.counters[k] = 0
 
@@ -309,6 +321,7 @@ class PromptCache:
                "ram_bytes": self.ram.total_bytes, "ram_entries": self.ram.num_entries,
                "ram_max_bytes": self.ram.max_bytes, "evictions": self.ram.num_evictions,
                "memory_pressure_evictions": self.num_pressure_evictions,
+               "memory_pressure_pool_trims": self.num_pool_trims,
                "reuse": {k: snap.REUSE[k] for k in sorted(set(self.kinds))}}
         if self.disk is not None:
             out.update({"ssd_dir": str(self.disk.root), "ssd_bytes": self.disk.total_bytes,

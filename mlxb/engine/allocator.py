@@ -7,11 +7,12 @@ import mlx.core as mx
 _SLACK: list = []
 
 
-def trim_allocator_cache() -> None:
+def trim_allocator_cache() -> bool:
     """Give MLX's cached free buffers back to the device only when they exceed a slack (an eighth of
     the allocator's memory limit, at least 1 GiB). mlx-lm clears after every prefill chunk; on CUDA
     one clear of a cohort's transient buffers took 20-30 ms on an H200 (``scripts/cohort_cost.py``)
-    and the next step paid again to allocate them. Allocation never changes values: no parity effect."""
+    and the next step paid again to allocate them. Allocation never changes values: no parity effect.
+    Returns whether it cleared."""
     if not _SLACK:
         try:
             _SLACK.append(max(1 << 30, int(mx.get_memory_limit()) // 8))
@@ -19,3 +20,5 @@ def trim_allocator_cache() -> None:
             _SLACK.append(1 << 30)
     if mx.get_cache_memory() > _SLACK[0]:
         mx.clear_cache()
+        return True
+    return False

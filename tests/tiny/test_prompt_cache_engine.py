@@ -353,3 +353,34 @@ def eng_trimmable(model) -> bool:
     from mlxb.cache.protocol import layer_kinds
 
     return all(k in ("full", "latent") for k in layer_kinds(model))
+
+
+def test_memory_pressure_keeps_mlx_buffer_pool_while_the_arrays_in_use_fit(tiny_models, monkeypatch):
+    """Past ``memory_limit`` only with MLX's free-buffer pool counted, an insert leaves the pool alone (up
+    to the allocator's slack) and evicts nothing; the arrays in use past it clear the pool and evict.
+    Clearing the pool on every insert past the limit made an H100 agent loop's retirements 300-400 ms."""
+    import mlx.core as mx
+
+    from mlxb.engine import allocator
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=2)
+    pc = PromptCache(model, eng.kinds, max_bytes=1 << 30, memory_limit=100 << 20)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    layers = make_prompt_cache(model)
+    model(mx.array([[5, 6, 7]]), cache=layers)
+    assert pc.put([5, 6, 7], layers) is not None and pc.nbytes > 0
+    mem = {"active": 90 << 20, "pool": 50 << 20}
+    clears = []
+    monkeypatch.setattr(mx, "get_active_memory", lambda: mem["active"])
+    monkeypatch.setattr(mx, "get_cache_memory", lambda: mem["pool"])
+    monkeypatch.setattr(mx, "clear_cache", lambda: clears.append(1))
+    monkeypatch.setattr(allocator, "_SLACK", [1 << 30])
+    assert pc.relieve_pressure() == 0 and clears == [] and pc.nbytes > 0  # arrays fit: the pool stays
+    mem["pool"] = 2 << 30  # the pool past the slack: returned, still nothing evicted
+    assert pc.relieve_pressure() == 0 and clears == [1] and pc.nbytes > 0
+    assert pc.stats()["memory_pressure_pool_trims"] == 1
+    mem["active"], mem["pool"] = 150 << 20, 0  # the arrays in use past the limit: clear and evict
+    assert pc.relieve_pressure() > 0 and len(clears) == 2 and pc.nbytes == 0
+    assert pc.stats()["memory_pressure_evictions"] == 1
