@@ -28,7 +28,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 from mlxb.cache import snapshot as snap
 from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
 from mlxb.cache.ssd import DiskTier
-from mlxb.engine.allocator import trim_allocator_cache
+from mlxb.cache.allocator import trim_allocator_cache
 
 log = logging.getLogger("mlxb.prompt_cache")
 _CLASSES = {"full": KVCache, "latent": KVCache, "rotating": RotatingKVCache, "ssm": ArraysCache}

@@ -20,7 +20,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.cache.prefix import PrefixMatch
-from mlxb.engine.allocator import trim_allocator_cache
+from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.engine.scheduler import chunk_end
 from mlxb.request import Request, RequestStatus
 

@@ -35,7 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS
 from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
-from mlxb.engine.allocator import trim_allocator_cache
+from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
 from mlxb.engine.retire import Retire
 from mlxb.constrain.grammar import apply_row_masks

@@ -361,7 +361,7 @@ def test_memory_pressure_keeps_mlx_buffer_pool_while_the_arrays_in_use_fit(tiny_
     Clearing the pool on every insert past the limit made an H100 agent loop's retirements 300-400 ms."""
     import mlx.core as mx
 
-    from mlxb.engine import allocator
+    from mlxb.cache import allocator
 
     model, tok, _, _ = tiny_models("tiny-llama")
     eng = Engine(model, tok, max_batch=2)
