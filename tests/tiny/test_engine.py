@@ -1,5 +1,6 @@
 """The engine on every synthetic preset: serial == mlx-lm, staggered batches, seeds, containment."""
 
+import threading
 import time
 
 import mlx.core as mx
@@ -25,17 +26,30 @@ def prompts(n=4, seed=0):
 
 
 def run(model, tok, reqs, batch, delays=None, capture=None, **kw):
+    """Submit ``reqs``; with ``delays``, the second joins while the first is decoding (after the first's token 0
+    and under the device lock, so a fast machine cannot finish the first row before it arrives), and the
+    rest after their delays."""
     eng = Engine(model, tok, max_batch=batch, capture=capture, **kw).start()
-    streams = []
+    outs = [[] for _ in reqs]
+    readers = []
     try:
         for i, r in enumerate(reqs):
-            if delays:
-                time.sleep(delays[i])
             r.mechanism = "continuous" if batch > 1 else "serial"
             st = OutputStream(r.request_id)
-            eng.submit(r, st)
-            streams.append(st)
-        outs = [list(st) for st in streams]
+            if delays and i == 1:
+                t0 = time.monotonic()
+                while not outs[0] and readers[0].is_alive() and time.monotonic() - t0 < 60:
+                    time.sleep(0.0005)
+                with eng.device_lock:
+                    eng.submit(r, st)
+            else:
+                if delays:
+                    time.sleep(delays[i])
+                eng.submit(r, st)
+            readers.append(threading.Thread(target=lambda st=st, out=outs[i]: out.extend(st), daemon=True))
+            readers[-1].start()
+        for t in readers:
+            t.join()
     finally:
         eng.shutdown()
     return outs, eng

@@ -146,7 +146,11 @@ def test_speculative_verify_steps_read_the_shared_prefix(tiny_models):
         res[share_min] = (toks, caps, stats)
     assert res[64][2]["rows_shared"] >= 4 and res[64][2]["verify_steps"] > 0
     assert res[64][0] == res[None][0]
-    assert max(float(np.abs(res[64][1][k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
+    # which row-steps a verify step captures depends on how the rows met in the batch (thread timing): compare
+    # the logits of the row-steps both runs captured, every row among them
+    common = res[None][1].keys() & res[64][1].keys()
+    assert {k[0] for k in common} == {f"r{i}" for i in range(len(ps))} and len(common) >= len(res[None][1]) // 2
+    assert max(float(np.abs(res[64][1][k] - res[None][1][k]).max()) for k in common) < 1e-3
 
 
 def test_rows_of_different_adapters_never_read_one_prefix(tmp_path):
