@@ -26,9 +26,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache
 
 from mlxb.cache import snapshot as snap
+from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
 from mlxb.cache.ssd import DiskTier
-from mlxb.cache.allocator import trim_allocator_cache
 
 log = logging.getLogger("mlxb.prompt_cache")
 _CLASSES = {"full": KVCache, "latent": KVCache, "rotating": RotatingKVCache, "ssm": ArraysCache}

@@ -360,14 +360,13 @@ def test_memory_pressure_keeps_mlx_buffer_pool_while_the_arrays_in_use_fit(tiny_
     to the allocator's slack) and evicts nothing; the arrays in use past it clear the pool and evict.
     Clearing the pool on every insert past the limit made an H100 agent loop's retirements 300-400 ms."""
     import mlx.core as mx
-
-    from mlxb.cache import allocator
-
-    model, tok, _, _ = tiny_models("tiny-llama")
-    eng = Engine(model, tok, max_batch=2)
-    pc = PromptCache(model, eng.kinds, max_bytes=1 << 30, memory_limit=100 << 20)
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlxb.cache import allocator
+    from mlxb.cache.protocol import layer_kinds
+
+    model, _, _, _ = tiny_models("tiny-llama")
+    pc = PromptCache(model, layer_kinds(model), max_bytes=1 << 30, memory_limit=100 << 20)
     layers = make_prompt_cache(model)
     model(mx.array([[5, 6, 7]]), cache=layers)
     assert pc.put([5, 6, 7], layers) is not None and pc.nbytes > 0
