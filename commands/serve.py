@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
+from mlxb.engine.prefill import COHORT_SPLIT_MIN
 
 
 @cli_errors
@@ -20,6 +21,7 @@ def serve(
     prompt_concurrency: Optional[int] = typer.Option(None, "--prompt-concurrency", min=1, help="Most joiners prefilled in one iteration (each alone, within one --prefill-step-size of tokens); default: --batch."),
     prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="Most prompt tokens of joiner prefill between two decode steps (the stall bound for running rows)."),
     prefill_burst: Optional[int] = typer.Option(None, "--prefill-burst", min=1, help="Prompt tokens one iteration may prefill when the engine is idle (nothing decodes, so nothing stalls); default: 8 x --prefill-step-size (mlx-lm's default prompt batch: 8 x 2048 tokens)."),
+    cohort_split_min: int = typer.Option(COHORT_SPLIT_MIN, "--cohort-split-min", min=0, help="Prompts admitted together are prefilled as one batch padded to the longest; split them into groups of similar length when that saves at least this many padded tokens (0: never split, as mlx-lm's prompt batch)."),
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV byte budget for admission, e.g. 2GB, 512MiB, 100000."),
     max_tokens: int = typer.Option(512, "--max-tokens", min=1, help="Default max_tokens when a request gives none."),
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="A Jinja chat template string overriding the tokenizer's."),
@@ -80,7 +82,7 @@ def serve(
     pc_disk = parse_bytes(prompt_cache_disk_bytes, "--prompt-cache-disk-bytes") if prompt_cache_disk_bytes else None
     with status("loading model ..."):
         gw = build_gateway(model, dtype=dtype, batch=batch, prefill_chunk=prefill_step_size, kv_budget=budget,
-                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, default_max_tokens=max_tokens, chat_template=chat_template, tool_prompt=tool_prompt,
+                           max_joiners=prompt_concurrency, prefill_burst=prefill_burst, cohort_split_min=cohort_split_min, default_max_tokens=max_tokens, chat_template=chat_template, tool_prompt=tool_prompt,
                            warmup=warmup, prompt_cache=prompt_cache, prompt_cache_bytes=pc_bytes, adapters=lora,
                            max_loras=max_loras, max_lora_rank=max_lora_rank, lora_path=lora_path,
                            prompt_cache_size=prompt_cache_size, prompt_cache_dir=prompt_cache_dir,

@@ -86,7 +86,9 @@ class AlignedBatchKVCache(BatchKVCache):
     # the roll of an 18-row cohort on a 2.2k-token prefix took 236 ms and the merge 41 ms of one
     # iteration (scripts/cohort_cost.py), while the forward itself took 114 ms.
     @classmethod
-    def merge(cls, caches):
+    def merge(cls, caches, room: int = 0):
+        """``room``: free positions after the rows' ends, so a cohort's forward of up to that many tokens writes
+        in place (mlx-lm's merge leaves none, and its first update then copies the whole buffer to grow it)."""
         lengths = [c.size() for c in caches]
         width = max(lengths)
         if width == 0:
@@ -94,6 +96,19 @@ class AlignedBatchKVCache(BatchKVCache):
         ref = next(c for c in caches if c.keys is not None and c.size() > 0)
         _, H, _, Dk = ref.keys.shape
         Dv, dt = ref.values.shape[3], ref.keys.dtype
+        if room > 0:  # one zero buffer, every row written into it at its place (one pass over the rows)
+            cap = width + room
+            keys = mx.zeros((len(caches), H, cap, Dk), dtype=dt)
+            values = mx.zeros((len(caches), H, cap, Dv), dtype=dt)
+            for i, (n, c) in enumerate(zip(lengths, caches)):
+                if c.keys is not None and n > 0:
+                    keys[i:i + 1, :, width - n:width] = c.keys[..., :n, :]
+                    values[i:i + 1, :, width - n:width] = c.values[..., :n, :]
+            cache = cls([width - n for n in lengths])
+            cache.keys, cache.values = keys, values
+            cache.offset += width
+            cache._idx = width
+            return cache
 
         def rows(attr, D):
             out = []

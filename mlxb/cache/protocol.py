@@ -5,7 +5,8 @@ goes through ``ROW_OPS[kind]``, never through class-name checks scattered in the
 
 Row operations (all on mlx-lm caches; batch caches are left-padded, see ``BatchKVCache``):
 
-* ``to_batch(solos)``   merge single-row caches into one batch cache (rows in order)
+* ``to_batch(solos, room)`` merge single-row caches into one batch cache (rows in order; full layers leave
+  ``room`` free positions after the rows, so a cohort's forward writes in place)
 * ``join(batch, solo)`` add one row at the end (the one-row case of ``join_batch``): full/latent/ssm extend (pad + one batch-axis
   concat, running rows untouched); rotating re-merges every row's temporal view, which is safe
   across ring wraps. ``join_full="merge"`` re-merges full layers instead (a different pad layout,
@@ -63,7 +64,8 @@ def layer_kinds(model) -> list[Optional[str]]:
 class _RowOps:
     """What every kind shares: ``join`` is the one-row case of ``join_batch``."""
 
-    def to_batch(self, solos):
+    def to_batch(self, solos, room: int = 0):
+        """``room``: positions to leave free after the rows (full layers; the others ignore it)."""
         raise NotImplementedError
 
     def join_batch(self, batch, cohort, mode: str):
@@ -82,7 +84,7 @@ class _RowOps:
 
 
 class _Full(_RowOps):
-    def to_batch(self, solos):
+    def to_batch(self, solos, room: int = 0):
         if any(hasattr(s, "bits") for s in solos):  # quantized rows (--kv-bits): the packed batch layout
             from mlxb.cache.quantized import BatchQuantizedKVCache
 
@@ -91,7 +93,7 @@ class _Full(_RowOps):
             return BatchQuantizedKVCache.merge(solos)
         if all(s.size() == 0 for s in solos):  # mlx-lm's merge returns its own class when empty
             return AlignedBatchKVCache([0] * len(solos))
-        return AlignedBatchKVCache.merge(solos)
+        return AlignedBatchKVCache.merge(solos, room=room)
 
     def join_batch(self, batch, cohort, mode: str = "extend"):
         if mode == "merge":
@@ -115,7 +117,7 @@ class _Full(_RowOps):
 
 
 class _Rotating(_Full):
-    def to_batch(self, solos):
+    def to_batch(self, solos, room: int = 0):
         if any(hasattr(s, "bits") for s in solos):  # quantized rings (--kv-bits): three lanes
             from mlxb.cache.quantized_ring import BatchQuantizedRotatingKVCache
 
@@ -130,7 +132,7 @@ class _Rotating(_Full):
 
 
 class _SSM(_RowOps):
-    def to_batch(self, solos):
+    def to_batch(self, solos, room: int = 0):
         return ArraysCache.merge(solos)
 
     def join_batch(self, batch, cohort, mode: str = "extend"):

@@ -25,7 +25,7 @@ from mlxb.engine.calls import EngineCalls
 from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.device_health import DeviceHealth
 from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
-from mlxb.engine.prefill import prefill_cohort, prefill_one
+from mlxb.engine.prefill import COHORT_SPLIT_MIN, prefill_cohorts, prefill_one
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
@@ -61,11 +61,13 @@ class Engine:
         compile_decode=False,  # --compile-decode "lone" / --compile-batch "all" (mlxb.engine.compiled)
         share_min: Optional[int] = None,  # shared-prefix KV (mlxb.engine.sharing): fewest tokens worth sharing; None: off
         share_f32_values: bool = False,  # a shared prefix also keeps its values in float32 while memory allows
+        cohort_split_min: int = COHORT_SPLIT_MIN,  # padded tokens a cohort split by length must save (0: never split)
     ):
         model = engine_view(model)  # load_model's already; a model built elsewhere gets the corrections here
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.cohort_split_min = cohort_split_min
         self.kinds = layer_kinds(model)
         self.batchable = all(k is not None for k in self.kinds)
         from mlxb.cache.kv_plan import as_plan, fit_plan
@@ -99,7 +101,8 @@ class Engine:
         self._inbox: queue.Queue = queue.Queue()
         self._calls = EngineCalls(self.device_lock)  # work handed to the engine thread (prompt scoring)
         self._serial: deque[Live] = deque()
-        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0, "requeued": 0}
+        self.counters = {"steps": 0, "tokens": 0, "requests": 0, "serial_requests": 0, "batched_steps": 0, "requeued": 0,
+                         "cohort_splits": 0}
         self._requeued_this_iteration = False
         self.delivery = Delivery(self.eos_ids, self.counters)
         self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token
@@ -377,7 +380,7 @@ class Engine:
                 continue  # failed or requeued earlier in this iteration (a split leader's second chunk)
             if chunk in cohort:
                 if chunk is cohort[0]:
-                    prefill_cohort(self, cohort)
+                    prefill_cohorts(self, cohort)
             else:
                 prefill_one(self, chunk)
         if out.prefills:

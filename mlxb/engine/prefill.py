@@ -13,6 +13,40 @@ from mlxb.errors import EngineFailure
 from mlxb.request import RequestStatus
 
 MAX_REQUEUES = 2  # out-of-memory prefills a request may retry before it fails
+# A cohort's forward is right-padded to its longest uncached body, so every row pays for the longest one. In an
+# agent loop the turns that arrive together fall into a few lengths (a turn whose cached conversation ends
+# before the last reply prefills that reply again: ~280 tokens against ~150 for the others); on an H100 the
+# cohort's cost followed its padded tokens (~150 ms per 1k at a 2-3k-token context, trace of stop 61). A cohort
+# is split by length when that saves at least this many padded tokens (each extra group costs one more
+# held-back-token step and one more join); 0 keeps one cohort, as mlx-lm's prompt batch does.
+COHORT_SPLIT_MIN = 1024
+MAX_GROUPS = 3
+
+
+def split_by_length(lengths: list[int], min_saved: int, max_groups: int = MAX_GROUPS) -> list[list[int]]:
+    """Indices into ``lengths`` (uncached body lengths of a cohort's rows) in groups to prefill one after
+    another: one group (every index, in order) unless a split saves at least ``min_saved`` padded tokens
+    (rows x longest body, summed over groups). Split groups hold rows of similar length, shortest first."""
+    n = len(lengths)
+    if min_saved <= 0 or n < 2:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: lengths[i])  # stable: equal lengths keep their arrival order
+    groups = [order]
+    while len(groups) < max_groups:
+        best = None  # (saved, group, cut)
+        for gi, g in enumerate(groups):
+            whole = len(g) * lengths[g[-1]]
+            for k in range(1, len(g)):
+                saved = whole - k * lengths[g[k - 1]] - (len(g) - k) * lengths[g[-1]]
+                if best is None or saved > best[0]:
+                    best = (saved, gi, k)
+        if best is None or best[0] < min_saved:
+            break
+        _, gi, k = best
+        groups[gi:gi + 1] = [groups[gi][:k], groups[gi][k:]]
+    if len(groups) == 1:
+        return [list(range(n))]
+    return [sorted(g) for g in groups]
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -95,6 +129,21 @@ def prefill_one(eng, chunk) -> None:
         if eng.reuse.keeps(row.req, status):
             eng.reuse.put_finished(row.req.prompt_ids, eng.runner.whole(row), row.req.num_prompt_tokens, row.req.adapter)
         eng.scheduler.on_finished(chunk.request_id, status)
+
+def prefill_cohorts(eng, chunks) -> None:
+    """Whole uncached prompts admitted together: one batched prefill (or one per group of similar lengths,
+    ``split_by_length`` with the engine's ``cohort_split_min``), each group joining as it is done."""
+    groups = split_by_length([c.end - c.start for c in chunks], eng.cohort_split_min)
+    if len(groups) > 1:
+        eng.counters["cohort_splits"] += 1
+    for g in groups:
+        part = [chunks[i] for i in g]
+        live = [c for c in part if c.request_id in eng._live and eng._live[c.request_id].req.status is RequestStatus.PREFILLING]
+        if len(live) == 1:
+            prefill_one(eng, live[0])
+        elif live:
+            prefill_cohort(eng, live)
+
 
 def prefill_cohort(eng, chunks) -> None:
     """Whole uncached prompts admitted together: one batched prefill, then they join together."""

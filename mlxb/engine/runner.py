@@ -239,15 +239,18 @@ class Runner(Retire):
         cohort's batch caches and emits. ``snapshot(i, layers)`` receives row ``i``'s single-row caches
         (mlx-lm's ``extract``) after the suffixes ran, before the held-back tokens: ``len(prompt) - 1``."""
         starts = starts or [0] * len(rows)
-        caches = None
-        if self.sharing is not None and len(rows) >= 2:  # borrowed prefixes read once, not merged as copies
-            caches = self.sharing.cohort_caches(rows, starts, self.kinds)
-        if caches is None:
-            caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows]) for i, k in enumerate(self.kinds)]
         bodies = [r.req.prompt_ids[s:-1] for r, s in zip(rows, starts)]
         if "double_last_token" in self.faults:
             bodies = [r.req.prompt_ids[s:] for r, s in zip(rows, starts)]  # planted bug: the held-back token is fed twice
         lengths = [len(b) for b in bodies]
+        # room for the bodies, the held-back tokens and the roll's wrap (so what wraps is never-written zeros):
+        # the forward writes in place instead of regrowing (a copy of the cohort's whole buffer)
+        room = 2 * max(lengths) - min(lengths) + 1 if lengths else 0
+        caches = None
+        if self.sharing is not None and len(rows) >= 2:  # borrowed prefixes read once, not merged as copies
+            caches = self.sharing.cohort_caches(rows, starts, self.kinds, room=room)
+        if caches is None:
+            caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows], room=room) for i, k in enumerate(self.kinds)]
         for r, s, n in zip(rows, starts, lengths):
             r.base = s + n + 1 - self.num_steps  # cached prefix, body and the held-back last token
         width = max(lengths)

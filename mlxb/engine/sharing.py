@@ -222,7 +222,7 @@ class Sharing:
         self._share(new, new_rows, [i - len(old_rows) for i in picked if i >= len(old_rows)])
         return old, new
 
-    def cohort_caches(self, rows: list, starts: list[int], kinds: list) -> Optional[list]:
+    def cohort_caches(self, rows: list, starts: list[int], kinds: list, room: int = 0) -> Optional[list]:
         """A cohort about to prefill (rows whose solo caches hold ``starts[i]`` cached tokens): the batch caches
         with the rows that open alike reading one prefix (the live one where they open with it, else the longest
         worth sharing among their cached tokens), so its forward reads the prefix once and the merge copies only
@@ -249,10 +249,10 @@ class Sharing:
         for j, kind in enumerate(kinds):
             solos = [r.solo[j] for r in rows]
             if j not in self.layers:
-                caches.append(ROW_OPS[kind].to_batch(solos))
+                caches.append(ROW_OPS[kind].to_batch(solos, room=room))
                 continue
             caches.append(self.reading([_dropped(s, P) if f else s for s, f in zip(solos, flags)], flags,
-                                       prefixes[self.layers.index(j)]))
+                                       prefixes[self.layers.index(j)], room=room))
         self.cohort = (tokens, adapter, prefixes)
         for i in take:
             rows[i].shared = P
@@ -261,10 +261,10 @@ class Sharing:
         self.counts["cohorts"] += 1
         return caches
 
-    def reading(self, own: list, flags: list, prefix: SharedPrefix) -> SharedBatchKVCache:
+    def reading(self, own: list, flags: list, prefix: SharedPrefix, room: int = 0) -> SharedBatchKVCache:
         """One shared batch layer over single-row caches ``own`` (each row's tokens after the prefix where its flag
         is set, its whole history otherwise): flagged rows read ``prefix``; positions stay the true ones."""
-        c = AlignedBatchKVCache.merge(own) if any(o.size() for o in own) else AlignedBatchKVCache([0] * len(own))
+        c = AlignedBatchKVCache.merge(own, room=room) if any(o.size() for o in own) else AlignedBatchKVCache([0] * len(own))
         c = SharedBatchKVCache.wrap(c)
         c.offset = c.offset + mx.array([prefix.n - self.offset_fault if f else 0 for f in flags])
         c.share, c.prefix = list(flags), prefix

@@ -164,6 +164,43 @@ def test_full_merge_and_cohort_roll_equal_mlx_lm_bit_for_bit(lengths):
     assert ours._idx == ref._idx
 
 
+@pytest.mark.parametrize("lengths", [[5, 3, 12, 7], [6, 6, 6], [0, 4, 9], [11]])
+def test_a_merge_with_room_steps_in_place_and_equals_mlx_lm_where_rows_hold_tokens(lengths):
+    """``merge(room=...)`` (a cohort's buffer with space for its bodies, held-back tokens and the roll's wrap): the
+    cohort step writes in place (the buffer is not regrown: the same capacity after it) and the rows' keys, values,
+    offsets and paddings equal mlx-lm's BatchKVCache up to the write position, with zeros in the padding."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxb.cache.protocol import AlignedBatchKVCache
+
+    suffix = [3 + (r * 5) % 7 for r in range(len(lengths))]
+    width = max(suffix)
+    room = 2 * width - min(suffix) + 1
+
+    def run(cls, **kw):
+        c = cls.merge([kv_solo(r, n) for r, n in enumerate(lengths)], **kw)
+        cap = c.keys.shape[2]
+        c.prepare(lengths=suffix, right_padding=[width - n for n in suffix])
+        k = mx.arange(len(lengths) * H * width * D, dtype=mx.float32).reshape(len(lengths), H, width, D) + 1
+        c.update_and_fetch(k, -k)
+        c.finalize()
+        c.update_and_fetch(k[:, :, :1], -k[:, :, :1])  # the held-back tokens' step
+        return c, cap
+
+    (ours, cap), (ref, _) = run(AlignedBatchKVCache, room=room), run(BatchKVCache)
+    assert cap == max(lengths) + room and ours.keys.shape[2] == cap  # never regrown
+    assert ours._idx == ref._idx
+    for a in ("offset", "left_padding"):
+        assert mx.array_equal(getattr(ours, a), getattr(ref, a)).item(), a
+    n = ours._idx
+    for a in ("keys", "values"):
+        x, y = getattr(ours, a)[..., :n, :], getattr(ref, a)[..., :n, :]
+        assert mx.array_equal(x, y).item(), a
+    pad = ours.left_padding.tolist()
+    for r, p in enumerate(pad):
+        assert not mx.any(ours.keys[r, :, :p]).item()  # what the roll wrapped to the front: never written
+
+
 # ---- quantized full attention (--kv-bits) --------------------------------------------------------
 QD = 64  # head dim: a multiple of the group size
 

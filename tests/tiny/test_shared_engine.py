@@ -337,3 +337,38 @@ def test_a_live_seeded_joiner_outlives_the_prefix_it_started_at(tiny_models):
     assert counts["live_seeds"] == 1 and cached == 200 and freed, (counts, cached, freed)
     assert toks == res[None][0]
     assert max(float(np.abs(caps[k] - res[None][1][k]).max()) for k in res[None][1]) < 1e-3
+
+
+def test_a_cohort_split_by_length_reads_one_shared_prefix(tiny_models):
+    """Issue 46: turns over a 400-token cached prefix with bodies of two lengths, admitted together, prefill as two
+    groups (``cohort_split_min``) with shared-prefix KV on: the first group's prefix goes live and the second reads
+    it; tokens as with one cohort of copies, logits to the last bits."""
+    from mlxb.cache.prompt_cache import PromptCache
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    rng = np.random.default_rng(5)
+    pre = rng.integers(3, 8000, size=400).tolist()
+    first = [pre + rng.integers(3, 8000, size=6).tolist() for _ in range(4)]
+    turns = [pre + rng.integers(3, 8000, size=n).tolist() for n in (12, 140, 10, 138, 11, 139)]
+    res = {}
+    for share_min, split in ((None, 0), (64, 100)):
+        caps = {}
+        eng = Engine(model, tok, max_batch=8, share_min=share_min, prefill_chunk=2048, cohort_split_min=split,
+                     capture=lambda rid, s, t, v, g: caps.__setitem__((rid, s), v.copy()))
+        eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+        toks, reqs = [], []
+        for w, ps in enumerate((first, turns)):
+            streams = {f"w{w}r{i}": OutputStream(f"w{w}r{i}") for i in range(len(ps))}
+            reqs = [Request(f"w{w}r{i}", p, 8) for i, p in enumerate(ps)]
+            for r in reqs:
+                eng.accept(r, streams[r.request_id])
+            while any(k in eng._live for k in streams):
+                eng.iterate()
+            toks += [[o.token for o in st if o.token is not None] for st in streams.values()]
+        counts = dict(eng.runner.sharing.counts) if eng.runner.sharing else None
+        res[split] = (toks, caps, counts, eng.counters["cohort_splits"], [r.cached_tokens for r in reqs])
+    assert min(res[100][4]) >= 400 and min(res[0][4]) >= 400  # the turns started from their cached prefix
+    assert res[0][3] == 0 and res[100][3] >= 1
+    assert res[100][2]["rows_shared"] >= 4, res[100][2]
+    assert res[100][0] == res[0][0]
+    assert max(float(np.abs(res[100][1][k] - res[0][1][k]).max()) for k in res[0][1]) < 1e-3
