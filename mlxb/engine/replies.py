@@ -59,12 +59,29 @@ class ReplyIds:
                 ids.pop()
             if not ids:
                 continue
-            text = self.tokenizer.decode(ids)
-            if text:
+            for text in self._texts(ids):
                 self._by_text[text] = ids
                 self._by_text.move_to_end(text)
         while len(self._by_text) > self.capacity:
             self._by_text.popitem(last=False)
+
+    def _texts(self, ids: list[int]) -> set:
+        """The texts a client may send back for these generated ids: ``decode(ids)``, and what the server streamed,
+        which mlx-lm's streaming detokenizers make (they drop the space that opens a reply's first token, so an
+        agent's resent reply began without it and was never found: half the turns of a random-weight agent loop
+        prefilled their last reply again)."""
+        texts = {self.tokenizer.decode(ids)}
+        make = getattr(type(self.tokenizer), "detokenizer", None)
+        if make is not None:
+            try:
+                detok = self.tokenizer.detokenizer
+                for t in ids:
+                    detok.add_token(t)
+                detok.finalize()
+                texts.add(detok.text)
+            except Exception:  # a tokenizer without a working streaming detokenizer: decode's text alone
+                pass
+        return {t for t in texts if t}
 
     def _encode(self, piece: str) -> list[int]:
         with self._pieces_lock:

@@ -139,3 +139,20 @@ def test_a_resent_reply_continues_from_the_cached_turn(cached_server):
         p1, g1 = one["usage"]["prompt_tokens"], one["usage"]["completion_tokens"]
         assert g1 == 6 and two["usage"]["prompt_tokens_details"]["cached_tokens"] >= p1 + g1
         assert c.get("/stats").json()["prompt_cache"]["reply_ids"]["prompts_spliced"] >= 1
+
+
+def test_every_resent_reply_continues_from_its_cached_turn(cached_server):
+    """Issue 46: a reply's text is what the server streamed, and mlx-lm's streaming detokenizers drop the space
+    that opens a first token; the reply is remembered by that text too, so every conversation's turn 2 starts from
+    turn 1's prompt and generated ids (keyed by ``decode(ids)`` alone, about half of these replies were not found)."""
+    srv, _ = cached_server
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for k in range(10):
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"task {k}: read file {k * 7}"}]
+            one = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "ignore_eos": True,
+                                                      "temperature": 1.0, "seed": k}).json()
+            reply = one["choices"][0]["message"]["content"]
+            msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
+            two = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()
+            p1, g1 = one["usage"]["prompt_tokens"], one["usage"]["completion_tokens"]
+            assert two["usage"]["prompt_tokens_details"]["cached_tokens"] >= p1 + g1, (k, repr(reply))
