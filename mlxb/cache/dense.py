@@ -74,7 +74,26 @@ class AlignedBatchKVCache(BatchKVCache):
     def extend(self, other):
         compact(self)
         compact(other)
-        super().extend(other)
+        if self.keys is None or other.keys is None:
+            return super().extend(other)
+        # mlx-lm pads each side that does not end at the longer write position (a copy of that side) and then
+        # concatenates (a second copy): where a side needs padding, both are written once into one zero buffer
+        idx, size = max(self._idx, other._idx), max(self.keys.shape[2], other.keys.shape[2])
+        place = [(idx - c._idx, size - c.keys.shape[2] - (idx - c._idx)) for c in (self, other)]
+        if all(p == (0, 0) for p in place) or any(right < 0 for _, right in place):
+            return super().extend(other)  # one concatenation already, or mlx-lm's trim of a side's tail
+        B1, B2 = self.keys.shape[0], other.keys.shape[0]
+        H, dt = self.keys.shape[1], self.keys.dtype
+        keys = mx.zeros((B1 + B2, H, size, self.keys.shape[3]), dtype=dt)
+        values = mx.zeros((B1 + B2, H, size, self.values.shape[3]), dtype=dt)
+        for lo, c, (left, _) in ((0, self, place[0]), (B1, other, place[1])):
+            n = c.keys.shape[2]
+            keys[lo:lo + c.keys.shape[0], :, left:left + n] = c.keys
+            values[lo:lo + c.keys.shape[0], :, left:left + n] = c.values
+        self.keys, self.values = keys, values
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.left_padding = mx.concatenate([self.left_padding + place[0][0], other.left_padding + place[1][0]])
+        self._idx = idx
 
     def extract(self, idx):
         compact(self)

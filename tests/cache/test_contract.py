@@ -201,6 +201,29 @@ def test_a_merge_with_room_steps_in_place_and_equals_mlx_lm_where_rows_hold_toke
         assert not mx.any(ours.keys[r, :, :p]).item()  # what the roll wrapped to the front: never written
 
 
+@pytest.mark.parametrize("a,b", [([9, 4], [3, 12, 7]), ([5, 5], [5]), ([12], [2, 3]), ([3, 8], [14])])
+def test_extend_equals_mlx_lm_bit_for_bit(a, b):
+    """A join's extend (both sides written once into one buffer where one needs padding) gives exactly mlx-lm's
+    BatchKVCache arrays, offsets, paddings and write position, the capacity left after the rows included."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxb.cache.protocol import AlignedBatchKVCache
+
+    def run(cls):
+        x = cls.merge([kv_solo(r, n) for r, n in enumerate(a)])
+        y = cls.merge([kv_solo(10 + r, n) for r, n in enumerate(b)])
+        step = mx.ones((len(b), H, 1, D))  # one decode step on the joining side: capacity past its rows
+        y.update_and_fetch(step, -step)
+        x.extend(y)
+        return x
+
+    ours, ref = run(AlignedBatchKVCache), run(BatchKVCache)
+    for attr in ("keys", "values", "offset", "left_padding"):
+        p, q = getattr(ours, attr), getattr(ref, attr)
+        assert p.shape == q.shape and mx.array_equal(p, q).item(), attr
+    assert ours._idx == ref._idx
+
+
 # ---- quantized full attention (--kv-bits) --------------------------------------------------------
 QD = 64  # head dim: a multiple of the group size
 
