@@ -46,6 +46,13 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         for name, ms in d["phases"]:
             phases[name].append(ms)
     decode_phase = [ms for d in decode_only for name, ms in d["phases"] if name == "decode"]
+    # iterations whose prefill was one cohort (one cohort phase, no chunk alone): its forward's padded tokens
+    # (rows x longest body) against its real ones, and what the cohort phase cost per 1,000 padded tokens
+    one = [d for d in with_prefill if [n for n, _ in d["phases"]].count("cohort") == 1
+           and all(n != "chunk" for n, _ in d["phases"]) and len(d["prefills"]) >= 2]
+    padded = [len(d["prefills"]) * max(p[1] - p[0] for p in d["prefills"]) for d in one]
+    real = [sum(p[1] - p[0] for p in d["prefills"]) for d in one]
+    cohort_ms = [dict(d["phases"])["cohort"] for d in one]
     subs = [d for d in lines if d.get("event") == "submit" and d["t"] >= since and d.get("made") is not None]
     made = sorted(e["made"] for e in subs)
     return {
@@ -69,6 +76,9 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "uncached_tokens": pcts(e["prompt"] - (e["cached"] or 0) for e in t0),
         "cached_tokens": pcts(e["cached"] or 0 for e in t0),
         "cohort_size": pcts(e["cohort"] for e in t0),
+        "cohort_padded_tokens": pcts(padded),
+        "cohort_padding_ratio": round(sum(padded) / sum(real), 3) if sum(real) else None,
+        "cohort_ms_per_1k_padded": round(1000 * sum(cohort_ms) / sum(padded), 1) if sum(padded) else None,
         # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
         "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
         "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),
