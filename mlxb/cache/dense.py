@@ -82,15 +82,10 @@ class AlignedBatchKVCache(BatchKVCache):
         place = [(idx - c._idx, size - c.keys.shape[2] - (idx - c._idx)) for c in (self, other)]
         if all(p == (0, 0) for p in place) or any(right < 0 for _, right in place):
             return super().extend(other)  # one concatenation already, or mlx-lm's trim of a side's tail
-        B1, B2 = self.keys.shape[0], other.keys.shape[0]
-        H, dt = self.keys.shape[1], self.keys.dtype
-        keys = mx.zeros((B1 + B2, H, size, self.keys.shape[3]), dtype=dt)
-        values = mx.zeros((B1 + B2, H, size, self.values.shape[3]), dtype=dt)
-        for lo, c, (left, _) in ((0, self, place[0]), (B1, other, place[1])):
-            n = c.keys.shape[2]
-            keys[lo:lo + c.keys.shape[0], :, left:left + n] = c.keys
-            values[lo:lo + c.keys.shape[0], :, left:left + n] = c.values
-        self.keys, self.values = keys, values
+        B1 = self.keys.shape[0]
+        parts = [(0, place[0][0], self), (B1, place[1][0], other)]
+        self.keys = _placed(B1 + other.keys.shape[0], size, [(lo, left, c.keys) for lo, left, c in parts])
+        self.values = _placed(B1 + other.keys.shape[0], size, [(lo, left, c.values) for lo, left, c in parts])
         self.offset = mx.concatenate([self.offset, other.offset])
         self.left_padding = mx.concatenate([self.left_padding + place[0][0], other.left_padding + place[1][0]])
         self._idx = idx
@@ -116,15 +111,10 @@ class AlignedBatchKVCache(BatchKVCache):
         _, H, _, Dk = ref.keys.shape
         Dv, dt = ref.values.shape[3], ref.keys.dtype
         if room > 0:  # one zero buffer, every row written into it at its place (one pass over the rows)
-            cap = width + room
-            keys = mx.zeros((len(caches), H, cap, Dk), dtype=dt)
-            values = mx.zeros((len(caches), H, cap, Dv), dtype=dt)
-            for i, (n, c) in enumerate(zip(lengths, caches)):
-                if c.keys is not None and n > 0:
-                    keys[i:i + 1, :, width - n:width] = c.keys[..., :n, :]
-                    values[i:i + 1, :, width - n:width] = c.values[..., :n, :]
+            held = [(i, width - n, c) for i, (n, c) in enumerate(zip(lengths, caches)) if c.keys is not None and n > 0]
             cache = cls([width - n for n in lengths])
-            cache.keys, cache.values = keys, values
+            cache.keys = _placed(len(caches), width + room, [(i, p, c.keys[..., :width - p, :]) for i, p, c in held])
+            cache.values = _placed(len(caches), width + room, [(i, p, c.values[..., :width - p, :]) for i, p, c in held])
             cache.offset += width
             cache._idx = width
             return cache
@@ -159,6 +149,16 @@ class AlignedBatchKVCache(BatchKVCache):
         self.offset = self.offset - padding
         self.left_padding += padding
         self._right_padding = self._right_host = None
+
+
+def _placed(rows: int, size: int, parts: list) -> mx.array:
+    """A zero [rows, H, size, D] buffer with each ``(first_row, position, block)`` of ``parts`` written at its row
+    and sequence position: every block copied once (where mlx-lm pads blocks, a copy, then concatenates them)."""
+    ref = parts[0][2]
+    out = mx.zeros((rows, ref.shape[1], size, ref.shape[3]), dtype=ref.dtype)
+    for lo, at, block in parts:
+        out[lo:lo + block.shape[0], :, at:at + block.shape[2]] = block
+    return out
 
 
 def roll_rows(x: mx.array, shifts: list[int]) -> mx.array:

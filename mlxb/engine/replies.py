@@ -71,8 +71,7 @@ class ReplyIds:
         agent's resent reply began without it and was never found: half the turns of a random-weight agent loop
         prefilled their last reply again)."""
         texts = {self.tokenizer.decode(ids)}
-        make = getattr(type(self.tokenizer), "detokenizer", None)
-        if make is not None:
+        if hasattr(type(self.tokenizer), "detokenizer"):
             try:
                 detok = self.tokenizer.detokenizer
                 for t in ids:

@@ -383,36 +383,3 @@ def test_a_fleets_next_turns_join_in_one_cohort_and_keep_their_tokens(tiny_model
     assert (admitted[0] == 6) is rule, admitted  # rule on: all six in the first iteration
     assert rule or sum(1 for a in admitted if a) >= 3  # one chunk (16 tokens) per iteration: 2 turns at most
 
-
-@pytest.mark.parametrize("split_min", [48, 0])
-def test_a_cohort_of_two_lengths_prefills_in_two_groups_and_keeps_its_tokens(tiny_models, split_min):
-    """Issue 46: a cohort's forward is padded to its longest body. Turns of two lengths admitted together (four
-    of ~10 tokens, four of ~70) prefill as two groups when that saves ``cohort_split_min`` padded tokens, and
-    every row still gives the tokens it gives alone. With the split off (the control) one forward is padded to
-    the longest, which the padded-token count below tells apart."""
-    model, tok, _, _ = tiny_models("tiny-llama")
-    rng = np.random.default_rng(11)
-    turns = [rng.integers(3, 8000, size=n).tolist() for n in (10, 71, 12, 69, 11, 70, 9, 72)]
-    alone = [[t for t, _ in generate_step(mx.array(p), model, max_tokens=5)] for p in turns]
-    eng = Engine(model, tok, max_batch=8, prefill_chunk=1024, cohort_split_min=split_min)
-    widths = []
-    fwd = eng.runner.fwd
-
-    def recording(rows, x, cache):
-        if x.shape[1] > 1:  # a cohort's bodies (the held-back tokens' steps are one wide)
-            widths.append(x.shape[0] * x.shape[1])
-        return fwd(rows, x, cache)
-
-    eng.runner.fwd = recording
-    streams = {f"t{i}": OutputStream(f"t{i}") for i in range(len(turns))}
-    for i, p in enumerate(turns):
-        eng.accept(Request(f"t{i}", p, 5, ignore_eos=True), streams[f"t{i}"])
-    first = eng.iterate()
-    assert len(first.admitted) == len(turns)  # one iteration admits them all (an idle engine's burst)
-    while any(k in eng._live for k in streams):
-        eng.iterate()
-    got = [[o.token for o in streams[f"t{i}"] if o.token is not None] for i in range(len(turns))]
-    assert got == alone
-    assert eng.counters["cohort_splits"] == (1 if split_min else 0)
-    padded = sum(widths)
-    assert (padded <= 4 * 11 + 4 * 71) if split_min else (padded == 8 * 71), widths
