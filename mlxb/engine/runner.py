@@ -114,7 +114,9 @@ class Runner(Retire):
         self.num_steps = 0
         # per-step host timings (seconds, summed): graph build, async_eval launch, wait for the
         # previous step's tokens, turning them into Emitted records; the engine adds delivery. With
-        # grammar rows the last tokens are read inside the build (early_s) and masks made there (mask_s)
+        # grammar rows the last tokens are read inside the build (early_s) and masks made there (mask_s).
+        # *_cpu_s: the engine thread's own CPU time in a launch (the rest of its wall time it waited: for
+        # the GIL, which mx.async_eval releases, or inside MLX)
         self.timing: dict[str, float] = defaultdict(float)
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
@@ -365,7 +367,10 @@ class Runner(Retire):
             # GRAMMAR_ONE_LAUNCH (diagnostic, MLXB_GRAMMAR_ONE_LAUNCH=1): read them first instead and
             # launch forward and masked sampling together (one launch a step instead of two).
             if not GRAMMAR_ONE_LAUNCH:
+                tl, cl = time.perf_counter(), time.thread_time()
                 mx.async_eval(logits)
+                self.timing["fwd_launch_s"] += time.perf_counter() - tl  # wall: the encode plus any wait for the GIL
+                self.timing["fwd_launch_cpu_s"] += time.thread_time() - cl  # this thread's CPU time in it
             te = time.perf_counter()
             early = self._emit_pending(inputs, self.pending, self.pending_geo)
             self.timing["early_s"] += time.perf_counter() - te  # the read and emit (wait_s's share here)
@@ -381,9 +386,10 @@ class Runner(Retire):
             sampled, lps = sample_rows(rows, inputs, logits, masked=bool(cons))
             new_pending = [lp if self._needs_vectors(r) else True for r, lp in zip(rows, lps)]
         sampled = self.share(sampled)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         mx.async_eval(sampled, [p for p in new_pending if p is not True])
         t2 = time.perf_counter()
+        self.timing["launch_cpu_s"] += time.thread_time() - c1  # launch_s less this: time the thread did not run
         prev, prev_geo = self.pending, self.pending_geo
         self.register, self.pending = sampled, new_pending
         if self.capture is not None:
