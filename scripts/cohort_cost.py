@@ -91,10 +91,20 @@ def instrument(engine):
     from mlxb.engine import runner as R
 
     for cls, name in [(C.BatchKVCache, "finalize"), (C.BatchKVCache, "extend"), (C.BatchKVCache, "filter")]:
-        setattr(cls, name, timed(name, getattr(cls, name)))
+        setattr(cls, name, timed("mlx-lm " + name, getattr(cls, name)))  # nested inside mlxb's where it calls them
     from mlxb.cache.dense import AlignedBatchKVCache
 
     AlignedBatchKVCache.merge = classmethod(timed("merge", AlignedBatchKVCache.merge.__func__))
+    # mlxb's own row operations (they override mlx-lm's, so wrapping the base class alone misses them)
+    from mlxb.cache.shared import SharedBatchKVCache
+    from mlxb.engine.sharing import Sharing
+
+    for cls, tag in ((AlignedBatchKVCache, ""), (SharedBatchKVCache, "shared ")):
+        for name in ("extend", "filter", "extract", "finalize"):
+            if name in vars(cls):
+                setattr(cls, name, timed(tag + name, vars(cls)[name]))
+    for name in ("cohort_caches", "before_join"):
+        setattr(Sharing, name, timed("sharing " + name, getattr(Sharing, name)))
     R.sample_rows = timed("sample", R.sample_rows)
     for name in ("_emit", "_align", "_attach"):
         setattr(R.Runner, name, timed(name, getattr(R.Runner, name)))
