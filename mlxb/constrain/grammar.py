@@ -100,6 +100,19 @@ def apply_row_masks(logits: mx.array, constraints: list, rows: list[int]) -> mx.
     return apply_bitmask(logits, bm)
 
 
+def apply_position_masks(logits: mx.array, masks: dict) -> mx.array:
+    """Mask a verify step's logits [B, T, V]: row ``i`` in ``masks`` at its first ``len(masks[i])`` positions by
+    those masks ([n, words], ``Constraint.draft_masks``), everything else untouched (all-ones), in one device op."""
+    B, T, V = logits.shape
+    words = (V + 31) // 32
+    full = np.full((B, T, words), -1, dtype=np.int32)
+    for i, m in masks.items():
+        n, w = min(m.shape[0], T), min(m.shape[1], words)
+        full[i, :n] = 0  # vocabulary padding past the grammar's mask stays disallowed for its rows
+        full[i, :n, :w] = m[:n, :w]
+    return apply_bitmask(logits.reshape(B * T, V), full.reshape(B * T, words)).reshape(B, T, V)
+
+
 class Constraint:
     """One row's matcher. ``mask()`` for the next token, ``advance()`` with the row's output so far."""
 
@@ -141,6 +154,41 @@ class Constraint:
 
     def apply(self, logits: mx.array) -> mx.array:
         return apply_bitmask(logits, self.bitmask()[None])
+
+    def _walk(self, drafts: list[int], masks: Optional[list]) -> int:
+        """Consume the drafts the grammar allows, in order, up to and including one that completes it (nothing
+        may follow that one but the end, which the row never emits); then roll the matcher back. ``masks``
+        receives the mask after each consumed draft. Returns how many drafts were allowed."""
+        m = self.matcher
+        if m.is_error() or m.is_stopped() or not drafts:
+            return 0
+        n = m.validate_tokens([int(t) for t in drafts])
+        done = 0
+        for t in drafts[:n]:
+            if not m.consume_token(int(t)):
+                break
+            done += 1
+            if masks is not None:
+                masks.append(self.bitmask())
+            if m.is_stopped():
+                break
+        if done:
+            m.rollback(done)
+        return done
+
+    def allowed_drafts(self, drafts: list[int]) -> int:
+        """How many leading ``drafts`` could be kept at all: the grammar allows them in order, and none follows
+        the one that completes it. The matcher is left as it was."""
+        return self._walk(drafts, None)
+
+    def draft_masks(self, drafts: list[int]) -> np.ndarray:
+        """The masks of a verify step's positions for a row that feeds ``drafts`` after its last token: row ``j``
+        is the mask after the first ``j`` drafts, for every position the allowed drafts reach ([n + 1, words]).
+        Positions past a forbidden draft are never read (that draft is rejected before them). The matcher is
+        left as it was."""
+        masks = [self.bitmask()]
+        self._walk(drafts, masks)
+        return np.stack(masks)
 
 
 class Grammars:

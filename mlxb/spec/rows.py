@@ -100,14 +100,21 @@ def follow_verify(r, props: list[list[int]]) -> None:
     mx.eval(r.fwd(r.rows, mx.concatenate([reg, mx.where(real, drafts, reg)], axis=1), r.caches))
 
 def greedy_keep(r, row, p: list[int], choice: list[int], lps: mx.array, geo=None) -> tuple[list, int]:
-    """A greedy row without processors or grammar: its drafts ``p`` are kept while they equal ``choice`` (the
-    target's argmax at each position); emits the kept drafts and the target's token after them (log-probs
-    from ``lps`` [1 + W, V] where the request wants them). Returns (emitted, drafts kept)."""
+    """A greedy row without processors (under a grammar, ``choice`` and ``lps`` come from logits masked per
+    position): its drafts ``p`` are kept while they equal ``choice`` (the target's argmax at each position);
+    emits the kept drafts and the target's token after them (log-probs from ``lps`` [1 + W, V] where the
+    request wants them), and nothing after a token that completes the row's grammar. Returns (emitted,
+    drafts kept)."""
     a = 0
     while a < len(p) and p[a] == choice[a]:
         a += 1
     want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
-    return [r._emit(row, t, lps[j : j + 1] if want_lp else None, geo) for j, t in enumerate(choice[: a + 1])], a
+    out = []
+    for j, t in enumerate(choice[: a + 1]):
+        out.append(r._emit(row, t, lps[j : j + 1] if want_lp else None, geo))
+        if out[-1].grammar_done:
+            return out, j
+    return out, a
 
 def tally(r, row, n: int, a: int) -> None:
     """A row drafted ``n`` and kept ``a`` in a verify step: its adaptive state, usage and the counters."""

@@ -33,6 +33,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from mlxb.constrain.grammar import apply_position_masks
 from mlxb.spec import ahead as spec_ahead
 from mlxb.spec.config import METHODS, SpecConfig  # noqa: F401 (re-exported)
 from mlxb.spec.control import (MAX_COOLDOWN, MIN_GAIN, MISS_LIMIT, RowSpec, StepCost,  # noqa: F401 (re-exported)
@@ -141,6 +142,8 @@ def propose_all(r) -> list[list[int]]:
             out.append([])
             continue
         props = r.proposer.propose(st.history(row.tokens), k)
+        if props and row.sampler.constraint is not None:  # drafts the row's grammar forbids can never be kept
+            props = props[:row.sampler.constraint.allowed_drafts(props)]
         if not props and st.adaptive:  # a run of lookups that find nothing pauses them (each costs the pipelining)
             st.misses += 1
             if st.misses >= MISS_LIMIT:
@@ -162,6 +165,13 @@ def verify_step(r, props: list[list[int]]) -> list:
     fed = [[regs[i]] + p + [regs[i]] * (width - len(p)) for i, p in enumerate(props)]
     x = mx.array(fed, dtype=mx.uint32)
     logits = r.fwd(r.rows, x, r.caches)  # [B, 1 + W, V]
+    # greedy grammar rows without processors: every position's mask made on the host before the read (the
+    # matcher walks the drafts and rolls back), so they keep drafts as free rows do, with one read for the step
+    # instead of one per position
+    masked = {i: row.sampler.constraint.draft_masks(props[i]) for i, row in enumerate(rows)
+              if row.sampler.constraint is not None and row.sampler.greedy and not row.sampler.processors}
+    if masked:
+        logits = apply_position_masks(logits, masked)
     lp_all = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     choice = mx.argmax(lp_all, axis=-1)
     t1 = time.perf_counter()
@@ -172,7 +182,7 @@ def verify_step(r, props: list[list[int]]) -> list:
     out, kept, last = [], [], []
     for i, row in enumerate(rows):
         p = props[i]
-        fast = row.sampler.greedy and not row.sampler.processors and row.sampler.constraint is None
+        fast = row.sampler.greedy and not row.sampler.processors and (row.sampler.constraint is None or i in masked)
         want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
         toks = []
         if fast:

@@ -5,6 +5,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from mlxb.engine.engine import Engine
@@ -112,22 +113,44 @@ def test_constrained_rows_with_quantized_kv(llama):
 def test_constrained_rows_speculate_and_keep_their_grammar(llama):
     """--spec lookup on grammar rows: each position's mask follows the tokens before it, so greedy rows
     give plain decoding's text and seeded rows still match their grammar."""
+    out, plain, reqs, eng = _constrained_spec_run(*llama)
+    assert out[0] == plain[0] and out[1] == plain[1] and out[3] == plain[3]
+    jsonschema.validate(json.loads(out[2][0]), ARRAY)
+    assert re.fullmatch(LOOPING, out[1][0])
+    assert eng.spec_stats()["verify_steps"] > 0
+    assert any(r.spec_drafted for r in reqs[:2])  # the greedy constrained rows drafted (grammar-valid drafts only)
+    assert any(r.spec_accepted for r in reqs[:2])  # ... and kept some through their per-position masks
+
+
+ARRAY = {"type": "array", "items": {"enum": ["x", "yy", "zzz"]}, "minItems": 10, "maxItems": 10}
+LOOPING = r"(ab|cd){14}!"
+
+
+def _constrained_spec_run(model, tok, g):
+    """Greedy array and regex rows (output that repeats itself, so lookup finds drafts the grammar allows), a
+    seeded array row and a free row, with lookup speculation and without."""
     from mlxb.spec.verify import SpecConfig
 
-    model, tok, g = llama
-    gs = g.validate(g.from_schema(SCHEMA, "s"), "s")
-    gr = g.validate(g.from_regex(REGEX, "r"), "r")
-    spec = SpecConfig("lookup", 4, 3, max_batch=8)
-    prompts = [list(range(20, 60)), [7, 8, 9] * 12, list(range(30, 50)) * 2]
-    specs = [(prompts[0], gs, 0.0, None), (prompts[1], gr, 0.0, None), (prompts[2], gs, 0.9, 5), (prompts[1], None, 0.0, None)]
+    ga = g.validate(g.from_schema(ARRAY, "s"), "s")
+    gr = g.validate(g.from_regex(LOOPING, "r"), "r")
+    prompts = [list(range(20, 60)), tok.encode("abcdab! " * 3, add_special_tokens=False), list(range(30, 50)) * 2]
+    specs = [(prompts[0], ga, 0.0, None), (prompts[1], gr, 0.0, None), (prompts[2], ga, 0.9, 5), (prompts[1], None, 0.0, None)]
     plain = run(model, tok, g, specs, batch=4)
-    eng, reqs = Engine(model, tok, max_batch=4, spec=spec), []
+    eng, reqs = Engine(model, tok, max_batch=4, spec=SpecConfig("lookup", 4, 3, max_batch=8)), []
     out = run(model, tok, g, specs, batch=4, eng=eng, reqs=reqs)
-    assert out[0] == plain[0] and out[1] == plain[1] and out[3] == plain[3]
-    jsonschema.validate(json.loads(out[2][0]), SCHEMA)
-    assert re.fullmatch(REGEX, out[1][0])
+    return out, plain, reqs, eng
+
+
+def test_draft_masks_one_position_late_break_the_constrained_rows(llama, monkeypatch):
+    """Negative control for the per-position masks of a verify step: each position masked with the state after
+    one more draft (planted) changes the greedy constrained rows' text."""
+    from mlxb.constrain.grammar import Constraint
+
+    right = Constraint.draft_masks
+    monkeypatch.setattr(Constraint, "draft_masks", lambda self, d: np.concatenate([right(self, d)[1:], right(self, d)[-1:]]))
+    out, plain, reqs, eng = _constrained_spec_run(*llama)
     assert eng.spec_stats()["verify_steps"] > 0
-    assert any(r.spec_drafted for r in reqs[:3])  # constrained rows drafted too
+    assert out[0] != plain[0] or out[1] != plain[1]
 
 
 def test_a_kept_grammar_is_not_compiled_again_and_its_matchers_are_independent(llama):
@@ -158,3 +181,18 @@ def test_a_kept_grammar_is_not_compiled_again_and_its_matchers_are_independent(l
     for r in ("a+", "b+", "c+"):
         g.constraint(g.validate(g.from_regex(r, "r"), "r"), "test")
     assert len(g._matchers) == 2 and gs not in g._matchers  # least recently used out
+
+
+def test_draft_walk_stops_at_a_forbidden_draft_or_the_grammar_end_and_leaves_the_matcher(llama):
+    model, tok, g = llama
+    c = g.constraint(g.validate(g.from_regex(REGEX, "r"), "r"), "test")
+    ab, bang = tok.encode("ab", add_special_tokens=False), tok.encode("!", add_special_tokens=False)
+    assert len(ab) == 1 and len(bang) == 1
+    before = c.bitmask()
+    assert c.allowed_drafts(ab * 3 + bang + ab) == 4  # nothing follows the "!" that completes (ab){3}!
+    assert c.allowed_drafts(bang + ab) == 0 and c.allowed_drafts(ab + bang) == 1
+    masks = c.draft_masks(ab * 3 + bang + ab)
+    assert masks.shape[0] == 5 and (masks[0] == before).all()
+    allowed = lambda m, t: bool((int(m[t // 32]) >> (t % 32)) & 1)
+    assert allowed(masks[2], ab[0]) and not allowed(masks[3], ab[0]) and allowed(masks[3], bang[0])
+    assert (c.bitmask() == before).all() and not c.done and c.consumed == 0  # rolled back
