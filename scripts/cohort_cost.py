@@ -106,6 +106,9 @@ def instrument(engine):
     for name in ("cohort_caches", "before_join"):
         setattr(Sharing, name, timed("sharing " + name, getattr(Sharing, name)))
     R.sample_rows = timed("sample", R.sample_rows)
+    from mlxb.engine import decode as D
+
+    D.sample_rows = timed("sample", D.sample_rows)
     for name in ("_emit", "_align", "_attach"):
         setattr(R.Runner, name, timed(name, getattr(R.Runner, name)))
     mx.clear_cache = timed("clear_cache", mx.clear_cache)

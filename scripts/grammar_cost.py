@@ -48,7 +48,7 @@ def run(model, tok, grammars, B, steps, constrained, every=1):
                 spent[0] += time.perf_counter() - t
         return w
 
-    import mlxb.engine.runner as R
+    import mlxb.engine.decode as R  # the decode step's module (its masks)
 
     orig_rows = R.apply_row_masks
     Constraint.apply = timed(orig_apply)  # token 0 (solo rows): one row's mask

@@ -22,8 +22,6 @@ left-padded (host-side token counts reach the buffer index); see ``AlignedBatchK
 
 from __future__ import annotations
 
-import os
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -37,14 +35,13 @@ from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
 from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
+from mlxb.engine.decode import Decode
 from mlxb.engine.retire import Retire
-from mlxb.constrain.grammar import apply_row_masks
 
-GRAMMAR_ONE_LAUNCH = os.environ.get("MLXB_GRAMMAR_ONE_LAUNCH") == "1"
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
 from mlxb.engine.sharing import Sharing, sharing_off, probe as probe_sharing
 from mlxb.cache import shared as shared_cache
-from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup, decode as spec_decode
+from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup
 from mlxb.spec.ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
 
@@ -78,7 +75,7 @@ class Emitted:
     grammar_done: bool = False  # the row's grammar is complete with this token: the row stops here
 
 
-class Runner(Retire):
+class Runner(Retire, Decode):
     def __init__(
         self,
         model,
@@ -335,89 +332,3 @@ class Runner(Retire):
     def _quantized(self, caches: list) -> list:
         return caches if self.kv is None else quantize_now(caches, self.kinds, self.kv)
 
-    # ---- decode ----------------------------------------------------------------------------
-    def _needs_vectors(self, row: Row) -> bool:
-        return self.capture is not None or not row.plain
-
-    def decode_step(self) -> list[Emitted]:
-        """A verify step where some row has drafts (--spec), otherwise a plain pipelined step."""
-        return spec_decode(self) if self.proposer is not None else self._plain_step()
-
-    def _plain_step(self) -> list[Emitted]:
-        t0 = time.perf_counter()
-        inputs = self.register
-        if "scalar_rope" in self.faults and self.merged:
-            for c in self.caches:  # planted bug: one RoPE offset for every row
-                if hasattr(c, "offset") and isinstance(c.offset, mx.array) and c.offset.ndim == 1:
-                    c.offset = mx.broadcast_to(c.offset.max(), c.offset.shape)
-        logits = self.compiled.step(inputs, self.caches, self.merged) if self.compiled and self.lora is None else None
-        if logits is None:  # (--compile-decode: the steps it can run compiled, mlxb.engine.compiled)
-            logits = self.fwd(self.rows, inputs[:, None], self.caches)[:, -1, :]
-        if self.kv is not None and not self.merged:  # a lone adopted row converts as generate_step does
-            off = next((c.offset for c, k in zip(self.caches, self.kinds) if k == "full"), 0)
-            self.caches = maybe_quantize(self.caches, self.kinds, self.kv, int(off))
-        rows = self.rows
-        early = None
-        cons = [i for i, r in enumerate(rows) if r.sampler.constraint is not None]
-        late = "grammar_one_step_late" in self.faults  # planted bug: masks from the state before the last token
-        if cons and not late and any(p is not None for p in self.pending):
-            # NOTE: a grammar row's mask for this step needs the token it sampled in the last one. The
-            # forward is launched first; last step's tokens are read and emitted (matchers advance)
-            # while it runs, then the masked sampling is built. Without grammar rows nothing changes.
-            # GRAMMAR_ONE_LAUNCH (diagnostic, MLXB_GRAMMAR_ONE_LAUNCH=1): read them first instead and
-            # launch forward and masked sampling together (one launch a step instead of two).
-            if not GRAMMAR_ONE_LAUNCH:
-                tl, cl = time.perf_counter(), time.thread_time()
-                mx.async_eval(logits)
-                self.timing["fwd_launch_s"] += time.perf_counter() - tl  # wall: the encode plus any wait for the GIL
-                self.timing["fwd_launch_cpu_s"] += time.thread_time() - cl  # this thread's CPU time in it
-            te = time.perf_counter()
-            early = self._emit_pending(inputs, self.pending, self.pending_geo)
-            self.timing["early_s"] += time.perf_counter() - te  # the read and emit (wait_s's share here)
-        if cons:  # every grammar row's mask in one device op (llguidance fills them in parallel)
-            tg = time.perf_counter()
-            logits = apply_row_masks(logits, [rows[i].sampler.constraint for i in cons], cons)
-            self.timing["mask_s"] += time.perf_counter() - tg
-        if all(r.plain or (r.req.sampling.is_plain_greedy and r.sampler.constraint is not None) for r in rows):
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            sampled = mx.argmax(logprobs, axis=-1)
-            new_pending = [logprobs[i : i + 1] for i in range(len(rows))] if self.capture else [True] * len(rows)
-        else:
-            sampled, lps = sample_rows(rows, inputs, logits, masked=bool(cons))
-            new_pending = [lp if self._needs_vectors(r) else True for r, lp in zip(rows, lps)]
-        sampled = self.share(sampled)
-        t1, c1 = time.perf_counter(), time.thread_time()
-        mx.async_eval(sampled, [p for p in new_pending if p is not True])
-        t2 = time.perf_counter()
-        self.timing["launch_cpu_s"] += time.thread_time() - c1  # launch_s less this: time the thread did not run
-        prev, prev_geo = self.pending, self.pending_geo
-        self.register, self.pending = sampled, new_pending
-        if self.capture is not None:
-            self.pending_geo = self._geometry()
-        self.num_steps += 1
-        if self.num_steps % 256 == 0:
-            trim_allocator_cache()
-        tm = self.timing
-        tm["steps"] += 1
-        tm["rows"] += len(rows)
-        tm["build_s"] += t1 - t0
-        tm["launch_s"] += t2 - t1
-        if early is not None:
-            return early
-        if not any(p is not None for p in prev):
-            return []
-        t3 = time.perf_counter()
-        out = self._emit_pending(inputs, prev, prev_geo)
-        tm["wait_s"] += t3 - t2
-        return out
-
-    def _emit_pending(self, inputs: mx.array, pending: list, geo: Optional[list]) -> list[Emitted]:
-        """Read the tokens of the last step (``inputs``) and emit them for the rows that sampled one."""
-        values = inputs.tolist()
-        t = time.perf_counter()
-        out = [
-            self._emit(r, values[i], None if p is True else p, geo[i] if geo else None)
-            for i, (r, p) in enumerate(zip(self.rows, pending)) if p is not None
-        ]
-        self.timing["emit_s"] += time.perf_counter() - t
-        return out
