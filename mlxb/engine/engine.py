@@ -26,6 +26,7 @@ from mlxb.engine.delivery import Delivery, Live
 from mlxb.engine.device_health import DeviceHealth
 from mlxb.engine.engine_stats import engine_stats, spec_stats, step_timing
 from mlxb.engine.prefill import COHORT_SPLIT_MIN, prefill_cohorts, prefill_one
+from mlxb.engine.step import decode_and_retire
 from mlxb.engine.reuse import PrefixReuse
 from mlxb.engine.runner import Runner
 from mlxb.engine.scheduler import Scheduler
@@ -366,7 +367,7 @@ class Engine:
                 self.delivery.finish(self._live[r.req.request_id], RequestStatus.FINISHED_ABORTED)
 
     def _iteration(self, out) -> None:
-        s, r = self.scheduler, self.runner
+        r = self.runner
         self._requeued_this_iteration = False
         for rid in out.admitted:
             live = self._live[rid]
@@ -387,40 +388,4 @@ class Engine:
             r.timing["prefill_s"] += time.perf_counter() - t_prefill
             r.timing["prefill_iterations"] += 1
         if r.rows:  # running rows, plus joiners that joined just now
-            if r.capture is not None:  # parity drivers compare this with the plan; not on the serving path
-                self.last_forward = [row.req.request_id for row in r.rows]
-            try:
-                emitted = r.decode_step()
-                self.trace.mark("decode")
-            except Exception as e:  # cannot be attributed to a row: the whole batch fails
-                failed = [row.req.request_id for row in r.rows]
-                r.drop_all()
-                for rid in failed:
-                    s.on_finished(rid, RequestStatus.FINISHED_ERROR)
-                    self.delivery.finish(self._live[rid], RequestStatus.FINISHED_ERROR, error=EngineFailure(f"decode step failed: {e}"))
-                self.reuse.after_device_error(e, whole=True)
-                self.device_health.failed(e)
-                return
-            self.device_health.ok()
-            self.counters["steps"] += 1
-            if len(r.rows) > 1:
-                self.counters["batched_steps"] += 1
-            t_deliver = time.perf_counter()
-            done: dict[str, RequestStatus] = {}
-            for em in emitted:
-                if em.row.req.request_id in done:  # a verify step's tokens after the row's last one
-                    continue
-                status = self.delivery.deliver(em)
-                if status is not None:
-                    done[em.row.req.request_id] = status
-            if done:
-                keep = [i for i, row in enumerate(r.rows) if row.req.request_id not in done]
-                gone = [i for i, row in enumerate(r.rows) if self.reuse.keeps(row.req, done.get(row.req.request_id))]
-                for row, layers, fed in r.extract_rows(gone):
-                    self.reuse.put_finished(row.req.prompt_ids + row.tokens, layers, fed, row.req.adapter)
-                r.filter(keep)
-                for rid, status in done.items():
-                    s.on_finished(rid, status)
-                self.trace.mark("retire")
-            r.timing["deliver_s"] += time.perf_counter() - t_deliver
-
+            decode_and_retire(self)
