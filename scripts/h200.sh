@@ -2,7 +2,8 @@
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
 # Usage on the device, after the install:  bash scripts/h200.sh agentloop|turncost|engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
-# Results go to $OUT (JSON from bench engine, Parquet + report from bench load).
+# Results go to $OUT (JSON from bench engine, Parquet + report from bench load). Pass MLXB_GIT_COMMIT=<the local commit>:
+# the device's copy of the tree has a stale git history, and the results' git_commit label reads it.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 export MLXB_HOME=${MLXB_HOME:-/var/tmp/mlxb-home}

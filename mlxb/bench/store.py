@@ -9,6 +9,7 @@ Written through pandas (pyarrow engine).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +22,10 @@ LABEL_KEYS = ("run_id", "machine_key", "device", "backend", "cpu", "memory_gb", 
 
 
 def git_commit() -> str:
+    """The checkout's commit (``-dirty`` with local changes). ``MLXB_GIT_COMMIT`` overrides it where the tree was
+    copied without its own history (the lent GPU machines: the label read a stale commit there)."""
+    if os.environ.get("MLXB_GIT_COMMIT"):
+        return os.environ["MLXB_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
