@@ -201,11 +201,17 @@ class Scheduler:
             return 0
         cached = best = min(self.prefix_lookup(req), req.num_prompt_tokens - 1)
         at = None
+        prefilling = {r.request_id: r for r in self.prefilling}
+        ids = req.prompt_ids
         for i, c in enumerate(out.prefills):
-            lead = self._prefilling_req(c.request_id)
+            lead = prefilling[c.request_id]
             if not lead.cache_prompt or lead.adapter != req.adapter:  # KV is per LoRA adapter
                 continue
-            n = common_prefix(req.prompt_ids, lead.prompt_ids, min(req.num_prompt_tokens - 1, c.end))
+            limit = min(req.num_prompt_tokens - 1, c.end)
+            need = max(best + 1, c.start + 1, cached + self.min_shared)  # the fewest shared tokens that would count
+            if need > limit or ids[need - 1] != lead.prompt_ids[need - 1]:
+                continue  # they part before that: no use comparing the whole prefix (an agent turn's own history)
+            n = common_prefix(ids, lead.prompt_ids, limit)
             if n > max(best, c.start) and n - cached >= self.min_shared:
                 best, at = n, i
         if at is not None:
@@ -216,9 +222,6 @@ class Scheduler:
             out.prefills[at:at + 1] = parts
             self.num_shared += 1
         return best
-
-    def _prefilling_req(self, request_id: str) -> Request:
-        return next(r for r in self.prefilling if r.request_id == request_id)
 
     # ---- one iteration ---------------------------------------------------------------------
     def iteration_budget(self) -> int:

@@ -79,3 +79,58 @@ def test_remove_prunes_the_trie_and_integrity_catches_drift():
     c.total_bytes += 1
     with pytest.raises(AssertionError, match="byte count"):
         c.check_integrity()
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_random_operations_agree_with_a_brute_force_model(trimmable):
+    """The radix trie against the rules stated over the set of stored keys, on random keys over a small alphabet
+    (so keys share, split and end inside each other's edges); the structure is checked after every operation."""
+    import random
+
+    rnd = random.Random(7 + trimmable)
+    c = cache(max_bytes=10**9, trimmable=trimmable)
+    stored: dict[tuple, object] = {}  # key -> entry
+
+    def lcp(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    def key(lo=1, hi=9):
+        return tuple(rnd.randrange(3) for _ in range(rnd.randint(lo, hi)))
+
+    for step in range(3000):
+        op = rnd.random()
+        if op < 0.4:
+            k = key()
+            got = c.insert("m", list(k), step, 1)
+            covering = [e for kk, e in stored.items() if kk[:len(k)] == k] if trimmable else [stored.get(k)] * (k in stored)
+            if covering:
+                assert got in covering and got.tokens[:len(k)] == k  # already covered: no new entry
+            else:
+                assert got.tokens == k
+                if trimmable:  # stored keys that are prefixes of the new one leave
+                    stored = {kk: e for kk, e in stored.items() if k[:len(kk)] != kk}
+                stored[k] = got
+        elif op < 0.5 and stored:
+            k = rnd.choice(sorted(stored))
+            assert c.remove(stored.pop(k))
+        else:
+            q, limit = key(0, 12), rnd.choice([None, rnd.randint(0, 12)])
+            qq = q if limit is None else q[:limit]
+            depth = max((lcp(qq, kk) for kk in stored), default=0)
+            assert c.shared_depth("m", list(q), limit) == depth
+            m = c.match("m", list(q), limit)
+            if trimmable:
+                assert (m is None) == (depth == 0)
+                if m is not None:
+                    assert m.num_tokens == depth and lcp(m.entry.tokens, qq) >= depth and m.entry.tokens in stored
+            else:
+                whole = [kk for kk in stored if qq[:len(kk)] == kk]
+                if not whole:
+                    assert m is None
+                else:
+                    assert m.entry is stored[max(whole, key=len)] and m.num_tokens == len(max(whole, key=len))
+        assert {e.tokens for e in c.entries()} == set(stored)
+        c.check_integrity()
