@@ -84,33 +84,34 @@ def batch_bitmask(constraints: list["Constraint"]) -> np.ndarray:
     return out
 
 
+def _placed(n: int, V: int, masks: dict) -> np.ndarray:
+    """Bitmask words [n, ceil(V / 32)]: row ``i`` under ``masks[i]`` (one row's words; tokens past them, the
+    vocabulary padding, disallowed), every other row all-ones (untouched)."""
+    words = (V + 31) // 32
+    full = np.full((n, words), -1, dtype=np.int32)
+    for i, m in masks.items():
+        w = min(m.shape[-1], words)
+        full[i, w:] = 0
+        full[i, :w] = m[:w]
+    return full
+
+
 def apply_row_masks(logits: mx.array, constraints: list, rows: list[int]) -> mx.array:
     """Mask batch ``logits`` [B, V]: row ``rows[j]`` under ``constraints[j]``, every other row untouched
     (an all-ones mask), in one device op."""
     bm = batch_bitmask(constraints)
-    B = logits.shape[0]
+    B, V = logits.shape
     if len(rows) < B:
-        full = np.full((B, bm.shape[1]), -1, dtype=np.int32)
-        full[rows] = bm
-        if full.shape[1] * 32 < logits.shape[1]:  # vocabulary padding past the mask stays allowed for free rows
-            pad = np.full((B, (logits.shape[1] - full.shape[1] * 32 + 31) // 32), -1, dtype=np.int32)
-            pad[rows] = 0
-            full = np.concatenate([full, pad], axis=1)
-        bm = full
+        bm = _placed(B, V, dict(zip(rows, bm)))
     return apply_bitmask(logits, bm)
 
 
 def apply_position_masks(logits: mx.array, masks: dict) -> mx.array:
     """Mask a verify step's logits [B, T, V]: row ``i`` in ``masks`` at its first ``len(masks[i])`` positions by
-    those masks ([n, words], ``Constraint.draft_masks``), everything else untouched (all-ones), in one device op."""
+    those masks ([n, words], ``Constraint.draft_masks``), everything else untouched, in one device op."""
     B, T, V = logits.shape
-    words = (V + 31) // 32
-    full = np.full((B, T, words), -1, dtype=np.int32)
-    for i, m in masks.items():
-        n, w = min(m.shape[0], T), min(m.shape[1], words)
-        full[i, :n] = 0  # vocabulary padding past the grammar's mask stays disallowed for its rows
-        full[i, :n, :w] = m[:n, :w]
-    return apply_bitmask(logits.reshape(B * T, V), full.reshape(B * T, words)).reshape(B, T, V)
+    flat = {i * T + j: m[j] for i, m in masks.items() for j in range(min(len(m), T))}
+    return apply_bitmask(logits.reshape(B * T, V), _placed(B * T, V, flat)).reshape(B, T, V)
 
 
 class Constraint:
