@@ -128,13 +128,16 @@ def _log_progress_class():
     return LogProgress
 
 
-KV_ATTENTION_HELP = ("How quantized KV (--kv-bits) is read at decode: 'mlx-lm' (its two quantized matmuls; exact "
-                     "against mlx-lm) or 'fused' (mlxb's one-pass CUDA kernel over the packed cache; CUDA only, "
-                     "not bit-equal to mlx-lm; see the README).")
+KV_ATTENTION_HELP = ("How decode attention reads the batch's KV: 'mlx-lm' (MLX's attention, and mlx-lm's two quantized "
+                     "matmuls under --kv-bits; exact against mlx-lm) or 'fused' (mlxb's split-key CUDA kernels: the "
+                     "packed cache read in place under --kv-bits, and masked full-precision batches and shared "
+                     "prefixes in one pass; CUDA only, not bit-equal to mlx-lm; see docs/cuda.md). Default: "
+                     "$MLXB_KV_ATTENTION, else mlx-lm.")
+KV_ATTENTION_DEFAULT = os.environ.get("MLXB_KV_ATTENTION", "mlx-lm")
 
 
 def apply_kv_attention(mode: str) -> None:
-    """Select the quantized-KV read; a bad mode or backend is a CLI error naming the fix."""
+    """Select the decode attention read; a bad mode or backend is a CLI error naming the fix."""
     from mlxb.errors import ValidationError
     from mlxb.kernels.quantized_attention import set_kv_attention
 

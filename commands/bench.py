@@ -9,14 +9,15 @@ from typing import Optional
 
 from rich.table import Table
 
-from mlxb.commands._common import DtypeOpt, ModelOpt, cli_errors, console, progress, sigterm_as_exit, status
+from mlxb.commands._common import (KV_ATTENTION_DEFAULT, KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors,
+                                   console, progress, sigterm_as_exit, status)
 
 from mlxb.commands.bench_stacks import _print_summary, _resolved_args, _run_seed, _run_stacks, _tokenizer_and_path  # noqa: F401
 
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
 
-PEERS = ("mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
+PEERS = ("mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline", "mlxb-fused-off")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
 
 
 @app.command("load")
@@ -26,7 +27,7 @@ def load(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
-    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) mlxb-spec-off (mlxb serve --spec off: speculation on against off) mlxb-share-off (mlxb serve --no-share-prefix: shared-prefix KV on against off) or mlxb-prep-inline (mlxb serve --prep-threads 0: requests tokenized on the event loop)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) mlxb-spec-off (mlxb serve --spec off: speculation on against off) mlxb-share-off (mlxb serve --no-share-prefix: shared-prefix KV on against off) mlxb-prep-inline (mlxb serve --prep-threads 0: requests tokenized on the event loop) or mlxb-fused-off (mlxb serve --kv-attention mlx-lm, against the fused kernels that MLXB_KV_ATTENTION=fused gives the mlxb stack)."),
     dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | agent-loop | FILE.jsonl"),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
     requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
@@ -130,7 +131,7 @@ def features(
     matrix: Path = typer.Option(Path("matrices/features.toml"), "--matrix", help="Feature matrix TOML."),
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, mlxb-spec-off (speculation on against off) mlxb-share-off (shared-prefix KV on against off) or mlxb-prep-inline (--prep-threads 0)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, mlxb-spec-off (speculation on against off) mlxb-share-off (shared-prefix KV on against off) mlxb-prep-inline (--prep-threads 0) or mlxb-fused-off (--kv-attention mlx-lm)."),
     cells: Optional[list[str]] = typer.Option(None, "--cell", help="Only these cells (repeatable)."),
     scale: float = typer.Option(1.0, "--scale", help="Multiply the matrix's prompt lengths (e.g. 0.25 on a small CPU); recorded in every row."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),
@@ -205,8 +206,10 @@ def engine(
     skinny_matmul: bool = typer.Option(False, "--skinny-matmul", help="CUDA only: each aggregate arm at B>1 (B>=MLXB_SKINNY_MIN_ROWS; at 1 also B=1 decode arms) also runs our engine with serve's --skinny-matmul on the same prompts."),
     fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Each aggregate arm (B=1 too) also runs our engine with serve's --fuse-projections on the same prompts."),
     served: bool = typer.Option(False, "--served", help="Also start `mlxb serve --no-prompt-cache` on the same folder and send each B=1 prompt there: rows b1_served_* (served over in-process)."),
+    kv_attention: str = typer.Option(KV_ATTENTION_DEFAULT, "--kv-attention", help=KV_ATTENTION_HELP + " Our engine's arms only; mlx-lm's keep MLX's read."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
+    apply_kv_attention(kv_attention)
     if adapters and tp > 1:
         from mlxb.errors import ValidationError
 

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
+from mlxb.commands._common import KV_ATTENTION_DEFAULT, KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
 
 
 def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
@@ -154,7 +154,7 @@ def kv(
     admit_context: int = typer.Option(4096, "--admit-context", min=1, help="Context of the admission count."),
     prefill_chunk: int = typer.Option(2048, "--prefill-chunk", min=16),
     quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", min=0),
-    kv_attention: str = typer.Option("mlx-lm", "--kv-attention", help=KV_ATTENTION_HELP),
+    kv_attention: str = typer.Option(KV_ATTENTION_DEFAULT, "--kv-attention", help=KV_ATTENTION_HELP),
     out: Optional[Path] = typer.Option(None, "--out"),
 ) -> None:
     """Quantized KV vs full width on our engine: rows admitted under one --kv-budget, decode tok/s (ratios)."""

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from mlxb.commands._common import KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
+from mlxb.commands._common import KV_ATTENTION_DEFAULT, KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
 from mlxb.engine.prefill import COHORT_SPLIT_MIN
 
 
@@ -41,7 +41,7 @@ def serve(
     kv_group_size: int = typer.Option(64, "--kv-group-size", help="Quantization group size for --kv-bits (32, 64, 128)."),
     quantized_kv_start: int = typer.Option(0, "--quantized-kv-start", help="A row's KV converts once it holds this many tokens (mlx-lm's meaning); under batching at the latest when the row shares a batch."),
     kv_config: Optional[str] = typer.Option(None, "--kv-config", help='Per-layer KV quantization (JSON file), e.g. {"bits": 4, "layers": {"0": "none", "-1": "none"}}: first and last layers at full width, the others KV4. Batch lane only.'),
-    kv_attention: str = typer.Option("mlx-lm", "--kv-attention", help=KV_ATTENTION_HELP),
+    kv_attention: str = typer.Option(KV_ATTENTION_DEFAULT, "--kv-attention", help=KV_ATTENTION_HELP),
     spec: Optional[str] = typer.Option(None, "--spec", help="Speculative decoding on the batch lane: 'lookup' (the default: prompt lookup, n-gram copy from the row's prompt and output; its controller keeps the batch plain where drafts do not pay), 'draft' (--draft-model) or 'off'. Models with sliding-window or recurrent layers decode plainly (see /stats)."),
     draft_model: Optional[str] = typer.Option(None, "--draft-model", help="A smaller model with the target's tokenizer (preset, folder or HF id) that drafts tokens; implies --spec draft."),
     num_draft_tokens: int = typer.Option(4, "--num-draft-tokens", min=1, max=32, help="Most draft tokens per row and step (adapted per row from its acceptance); a request's num_draft_tokens overrides it, 0 turns it off."),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU measurements on the lent H200 (see ../shared/gpu/README.md for the MLX CUDA install; the tree has grown past
 # what its two carries allow: scripts/gpu_three_carries.sh splits the wheel into three).
-# Usage on the device, after the install:  bash scripts/h200.sh agentloop|turncost|engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
+# Usage on the device, after the install:  bash scripts/h200.sh fused|agentloop|turncost|engine|profile|diag|serve|agents|kv|kvfused|kvengine|spec|specreplay|specctl|specloop|skinny|verify|served1|lora|compile
 # Results go to $OUT (JSON from bench engine, Parquet + report from bench load). Pass MLXB_GIT_COMMIT=<the local commit>:
 # the device's copy of the tree has a stale git history, and the results' git_commit label reads it.
 set -uo pipefail
@@ -399,6 +399,22 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     timeout ${LIMIT:-480} python3 -m mlxb.commands.main bench shared -m /var/tmp/$m --rows ${ROWS:-32} --prefix ${PREFIX:-6144} \
       --own ${OWN:-64} --gen ${GEN:-32} --plain-rows ${PLAIN:-8} --repeats ${REPEATS:-3} --budget-rows ${BUDGET_ROWS:-4} \
       --cells ${CELLS:-fleet,unshared,b1} $([ "${F32:-0}" = 1 ] && echo --f32-arm) --out "$OUT/shared" 2>&1 | grep -v Warning | tail -${TAIL:-40} ;;
+  fused)  # --kv-attention fused on full-precision KV (mlxb/kernels/dense_attention.py): one layer's masked read, MLX
+          # against the kernel and the cascade against it; PART=2: bench engine with and without (ours vs mlx-lm's
+          # BatchGenerator each); PART=3: the 32-agent loop, fused against off (MLXB_KV_ATTENTION=fused, --peer mlxb-fused-off)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    case ${PART:-1} in
+      1) timeout ${LIMIT:-240} python3 scripts/dense_attention_cost.py --batches ${BATCHES:-8,32,64} --context ${CONTEXT:-2048,8192} \
+           --out "$OUT/dense-attention-cost.json" 2>&1 | grep -v Warning ;;
+      2) for mode in ${MODES:-fused mlx-lm}; do echo "== --kv-attention $mode"
+           timeout ${LIMIT:-270} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-8,32,64} \
+             --prompt-len ${PROMPT:-1024} --gen 128 --repeats ${REPEATS:-2} --prefill-len 512 --kv-attention $mode \
+             --out "$OUT/engine-kv-$mode.json" 2>&1 | grep -v Warning | tail -${TAIL:-16}
+         done ;;
+      3) MLXB_KV_ATTENTION=fused PEER="--peer ${FUSED_PEER:-mlxb-fused-off}" LEVELS=${LEVELS:-32} REPEATS=${REPEATS:-2} \
+           bash "$0" agentloop ;;
+    esac ;;
   agentloop)  # issue 46: C agents x K turns with tools, mlxb serve vs mlx_lm.server, fresh text per run, mlxb's trace
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

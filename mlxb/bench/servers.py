@@ -19,9 +19,9 @@ from typing import Optional
 
 import httpx
 
-STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline")  # mlxb with one feature off (on against off)
+STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline", "mlxb-fused-off")  # mlxb with one feature off (on against off)
 OFF_FLAGS = {"mlxb-spec-off": ["--spec", "off"], "mlxb-share-off": ["--no-share-prefix"],
-             "mlxb-prep-inline": ["--prep-threads", "0"]}
+             "mlxb-prep-inline": ["--prep-threads", "0"], "mlxb-fused-off": ["--kv-attention", "mlx-lm"]}
 
 
 def free_port() -> int:

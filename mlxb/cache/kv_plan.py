@@ -150,11 +150,12 @@ def fit_plan(plan: Optional["KVPlan"], model) -> Optional["KVPlan"]:
 
 
 def kv_stats(plan: Optional[KVPlan]) -> dict:
-    """/stats: the plan's name, and how its quantized layers are read (buffer, attention kernel, and the
+    """/stats: the plan's name, the decode attention (``kv_attention``: mlx-lm's, or mlxb's fused kernels for every
+    layer kind), and how its quantized layers are read (buffer, and the
     grouped-query read: mlx-lm's, or folded where mlx-lm's is wrong on this backend; None until probed; and
     how many CPU streams a quantized read is split across)."""
     if plan is None:
-        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": None, "kv_gqa_read": None,
+        return {"kv_scheme": "none", "kv_reads": None, "kv_attention": kv_attention(), "kv_gqa_read": None,
                 "kv_split_streams": None}
     from mlxb.kernels import quantized_paths
     from mlxb.kernels.split_read import split_parts

@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from mlxb.cache.dense import AlignedBatchKVCache
 from mlxb.cache.holes import compact
+from mlxb.kernels import dense_attention
 
 
 @dataclass(eq=False)
@@ -243,6 +244,9 @@ def _dispatch(q, k, v, *, scale, mask=None, sinks=None, **kw):
     if isinstance(k, SharedKV):
         if sinks is not None or kw:
             raise ValueError("a shared-prefix layer cannot serve attention with sinks")
+        if dense_attention.active() and not MERGE_FAULT and dense_attention.supports_shared(q, k[0], v[0], k[1], v[1], mask):
+            # --kv-attention fused (CUDA): the prefix's chunks and the own keys' in one split-key pass
+            return dense_attention.fused_decode(q, k[0], v[0], scale, mask, prefix=(k[1], v[1], k[2]))
         return cascade_attention(q, k, v, scale, mask, MERGE_FAULT)
     return _PREVIOUS(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
 

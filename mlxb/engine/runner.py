@@ -41,6 +41,7 @@ from mlxb.engine.retire import Retire
 from mlxb.engine.sampler import RowSampler, sample_rows, token_logprob
 from mlxb.engine.sharing import Sharing, sharing_off, probe as probe_sharing
 from mlxb.cache import shared as shared_cache
+from mlxb.kernels import dense_attention
 from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup
 from mlxb.spec.ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
@@ -146,7 +147,8 @@ class Runner(Retire, Decode):
         if self.lora is not None:
             slots = [r.req.adapter for r in rows]
             self.lora.set(slots[1:] + slots[:1] if "lora_shift" in self.faults else slots)  # planted: shifted by one
-        return self.model(x, cache=cache)
+        with dense_attention.ours():  # --kv-attention fused: this forward's decode reads may take mlxb's kernel
+            return self.model(x, cache=cache)
 
     # ---- prefill ---------------------------------------------------------------------------
     def new_row(self, req: Request) -> Row:

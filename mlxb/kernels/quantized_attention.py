@@ -1,4 +1,5 @@
-"""Fused decode attention over quantized KV for MLX's CUDA backend (``--kv-attention fused``).
+"""Fused decode attention over quantized KV for MLX's CUDA backend (``--kv-attention fused``, which also turns on
+``dense_attention``, its counterpart for full-precision layers).
 
 mlx-lm reads a quantized layer with two ``quantized_matmul``s and a softmax (scores, then the weighted
 sum), three kernels and two round trips of the scores through memory. This is one split-key pass in the
@@ -32,7 +33,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels import quantized_paths, split_read
+from mlxb.kernels import dense_attention, quantized_paths, split_read
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 from mlxb.kernels.split_read import split_attention, split_parts
 
@@ -62,6 +63,7 @@ def set_kv_attention(mode: str) -> None:
                              "device); on this backend use --kv-attention mlx-lm")
         self_check()
         _install()
+    dense_attention.set_enabled(mode == "fused")  # full-precision batch layers' decode reads too
     _MODE, _ROUTE = mode, None
     quantized_paths.reset()
     split_read.reset()

@@ -2,7 +2,8 @@
 small stand-in for the CUDA built-ins it uses. A launch makes ``NT`` OS threads, which run the blocks one at a
 time, each thread its lane of every block (``__syncthreads`` is a block barrier, ``__shfl_xor_sync`` a warp
 barrier over an exchange buffer, ``__shared__`` arrays are static). It checks the kernel's indexing and
-arithmetic, not its speed or the GPU's memory model. Element type ``T`` is float."""
+arithmetic, not its speed or the GPU's memory model. Element type ``T`` is float. An input whose source names
+``<name>_strides`` is passed as it is (a numpy view keeps its strides, in elements, as MLX passes them)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ thread_local dim3_ threadIdx, blockIdx;
 static dim3_ gridDim;
 struct uint4 { uint32_t x, y, z, w; };
 using Shape = std::array<int32_t, 8>;
+using Strides = std::array<int64_t, 8>;
 static std::barrier<>* g_block;
 static std::barrier<>* g_warp[32];
 static float g_x[32][32];
@@ -86,6 +88,10 @@ class EmulatedKernel:
                 params.append(f"Shape {n}_shape")
                 call.append(f"*(Shape*)args[{len(self.slots)}]")
                 self.slots.append(("shape", n))
+            if n + "_strides" in source:  # read through its strides: handed over as it is (a view stays a view)
+                params.append(f"Strides {n}_strides")
+                call.append(f"*(Strides*)args[{len(self.slots)}]")
+                self.slots.append(("strides", n))
         for n, dt in outputs:
             params.append(f"{CTYPES[dt]}* {n}")
             call.append(f"({CTYPES[dt]}*)args[{len(self.slots)}]")
@@ -112,12 +118,16 @@ class EmulatedKernel:
     def __call__(self, inputs: dict, output_shapes: dict, grid, threadgroup) -> dict:
         keep, ptrs = [], []
         outs = {n: np.zeros(output_shapes[n], dtype=dt) for n, dt in self.outputs}
+        strided = {n for kind, n in self.slots if kind == "strides"}
         for kind, n in self.slots:
             if kind == "in":
-                a = np.ascontiguousarray(inputs[n])
+                a = inputs[n] if n in strided else np.ascontiguousarray(inputs[n])
             elif kind == "shape":
                 s = list(inputs[n].shape) + [0] * (8 - inputs[n].ndim)
                 a = np.array(s, dtype=np.int32)
+            elif kind == "strides":
+                s = [st // inputs[n].itemsize for st in inputs[n].strides] + [0] * (8 - inputs[n].ndim)
+                a = np.array(s, dtype=np.int64)
             else:
                 a = outs[n]
             keep.append(a)

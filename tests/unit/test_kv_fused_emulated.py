@@ -157,10 +157,12 @@ def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monk
 
     monkeypatch.setattr(qa, "fused_available", lambda: True)
     monkeypatch.setattr(qa, "_install", lambda: None)
+    dense = []  # the full-precision kernel's switch (its own self-check: test_dense_attention_emulated.py)
+    monkeypatch.setattr(qa.dense_attention, "set_enabled", dense.append)
     try:
         monkeypatch.setattr(qa, "fused_decode", with_source(qa._PART))
         qa.set_kv_attention("fused")
-        assert qa.kv_attention() == "fused"
+        assert qa.kv_attention() == "fused" and dense == [True]
         monkeypatch.setattr(qa, "fused_decode", with_source(planted))
         with pytest.raises(ValueError, match="disagrees"):
             qa.set_kv_attention("fused")

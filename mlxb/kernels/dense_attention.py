@@ -1,0 +1,367 @@
+"""Fused decode attention over full-precision KV for MLX's CUDA backend (``--kv-attention fused``).
+
+MLX's CUDA attention takes its fused vector kernel only for calls without an array mask. A batch whose rows
+have different lengths (left padding, speculative holes) always carries a boolean mask, so every decode step
+of a continuous batch on CUDA runs MLX's unfused fallback: a batched product for the scores, the mask, a
+softmax and a second product, per layer, with the scores through memory between them. On the H200 that read
+cost 2.55 ms per 8B-shaped layer at B=32 over 8k keys, and copies of a 6k-token prefix for 32 rows made a
+decode step 75 ms (reports/h100/session58/shared).
+
+This is the split-key pass of ``quantized_attention`` for bf16/fp16/fp32 caches:
+
+* ``mlxb_dattn_part``: one thread block per (chunk of ``C`` keys, KV head, row). A warp scores a key for every
+  query head of its KV head (lanes across the head dimension, so the key's row is read coalesced), masked keys
+  are skipped without being read, the chunk keeps its max and exp-sum, and the threads sum the values weighted
+  by the chunk's probabilities. Keys and values are read through their strides, so the batch cache's view of
+  its buffer (``keys[..., :idx, :]``) is read in place, never copied.
+* A shared prefix (``mlxb.cache.shared``: one [1, H, P, D] copy read by every row whose flag is set) is just
+  more chunks: the block of a prefix chunk reads the one copy; rows that do not share skip it.
+* ``mlxb_qattn_join`` (``quantized_attention``'s): per (row, query head), rescale the chunks' partial sums
+  by their maxima and divide by the total, in float32; rounded to the queries' dtype once.
+
+It sums in float32 and in another order than MLX's kernels, so it is not bit-equal to mlx-lm's read: it is
+off unless ``--kv-attention fused`` asks for it, and ``self_check`` compares it with MLX's float32 attention on
+the device before any request can reach it. One query token per row (decode), grouped-query ratios up to 8,
+head sizes 32/64/96/128/256, boolean masks as wide as the keys (or none); anything else keeps MLX's path. The
+wrap of ``mx.fast.scaled_dot_product_attention`` is process-wide, but it routes only the forwards the engine builds
+(``ours``, around ``Runner.fwd``), so mlx-lm's own models and caches in the same process keep MLX's read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+import threading
+from typing import Optional
+
+import mlx.core as mx
+
+from mlxb.kernels import cuda_gpu
+
+HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of the warp: a lane per 32nd dim when scoring
+MAX_GROUP = 8  # query heads per KV head
+NT = 128
+
+_ORIGINAL = None  # MLX's (or the previous wrapper's) attention while ours is installed
+_ON = False
+_OURS = threading.local()  # set while this thread builds one of the engine's own forwards (``ours``)
+_KERNELS: dict = {}
+_DUMMY: dict = {}
+
+_HEADER = r"""
+#define MLXB_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
+"""
+
+_PART = r"""
+  constexpr int NW = NT / 32;              // warps: each scores one key at a time
+  constexpr int DL = D / 32;               // dims per lane in the score pass
+  constexpr int TPS = NT < D ? NT : D;     // threads per key slot in the value pass
+  constexpr int J = NT / TPS;              // key slots in the value pass
+  constexpr int DT = D / TPS;              // dims per thread in the value pass
+  __shared__ float qs[R * D];
+  __shared__ float red[J * R * D];
+  __shared__ float ps[R][C];
+  __shared__ float mstat[R], lstat[R];
+  const float scale = __int_as_float(SCALE_BITS);
+  const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int Hkv = keys_shape[1], N = keys_shape[2];
+  const int P = HAS_PREFIX ? pkeys_shape[2] : 0;
+  const int NCP = (P + C - 1) / C;
+  const int NC = NCP + (N + C - 1) / C;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const size_t hq0 = ((size_t)b * Hkv + h) * R;  // this KV head's first query head, flattened with the row
+  const bool pre = c < NCP;                      // a chunk of the shared prefix
+  const int k0 = (pre ? c : c - NCP) * C;
+  const int n = pre ? P : N;
+
+  if (pre && SHARE_FLAGS && !share[b]) {  // this row does not read the prefix: an empty chunk
+    for (int i = t; i < R * D; i += NT) o_part[((hq0 + i / D) * NC + c) * D + i % D] = 0.f;
+    if (t < R) { m_part[(hq0 + t) * NC + c] = MLXB_NEG_INF; l_part[(hq0 + t) * NC + c] = 0.f; }
+    return;
+  }
+  // element offsets: this (row, KV head) of the own keys, this KV head of the prefix (one copy for every row)
+  const int64_t kh = (int64_t)b * keys_strides[0] + (int64_t)h * keys_strides[1];
+  const int64_t vh = (int64_t)b * values_strides[0] + (int64_t)h * values_strides[1];
+  const int64_t pkh = HAS_PREFIX ? (int64_t)h * pkeys_strides[1] : 0;
+  const int64_t pvh = HAS_PREFIX ? (int64_t)h * pvalues_strides[1] : 0;
+
+  for (int i = t; i < R * D; i += NT) qs[i] = static_cast<float>(q[hq0 * D + i]) * scale;
+  __syncthreads();
+
+  // phase 1: scores; a warp per key, its lanes across the head dimension
+  for (int kk = warp; kk < C; kk += NW) {
+    const int k = k0 + kk;
+    bool live = k < n;
+    if (live && !pre && HAS_MASK) live = mask[(size_t)b * N + k];
+    float dot[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) dot[r] = 0.f;
+    if (live) {  // the same for the whole warp
+#pragma unroll
+      for (int i = 0; i < DL; ++i) {
+        const int d = lane + 32 * i;
+        const float x = pre
+            ? static_cast<float>(pkeys[pkh + (int64_t)k * pkeys_strides[2] + (int64_t)d * pkeys_strides[3]])
+            : static_cast<float>(keys[kh + (int64_t)k * keys_strides[2] + (int64_t)d * keys_strides[3]]);
+#pragma unroll
+        for (int r = 0; r < R; ++r) dot[r] += qs[r * D + d] * x;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        for (int o = 16; o > 0; o >>= 1) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], o);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) ps[r][kk] = live ? dot[r] : MLXB_NEG_INF;
+    }
+  }
+  __syncthreads();
+
+  // phase 2: the chunk's max and exp-sum per query head (one warp per head)
+  for (int r = warp; r < R; r += NW) {
+    float m = MLXB_NEG_INF;
+    for (int k = lane; k < C; k += 32) m = fmaxf(m, ps[r][k]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    for (int k = lane; k < C; k += 32) {
+      const float p = (m == MLXB_NEG_INF) ? 0.f : expf(ps[r][k] - m);
+      ps[r][k] = p;
+      l += p;
+    }
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) { mstat[r] = m; lstat[r] = l; }
+  }
+  __syncthreads();
+
+  // phase 3: probability-weighted values; consecutive threads own consecutive dims (coalesced rows)
+  const int j = t / TPS, dl = t % TPS;
+  float acc[R][DT];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int x = 0; x < DT; ++x) acc[r][x] = 0.f;
+  for (int kk = j; j < J && kk < C; kk += J) {  // (D = 96: the threads past J slots of D sit this out)
+    const int k = k0 + kk;
+    if (k >= n) break;
+    float p[R];
+    bool any = false;
+#pragma unroll
+    for (int r = 0; r < R; ++r) { p[r] = ps[r][kk]; any = any || p[r] != 0.f; }
+    if (!any) continue;
+#pragma unroll
+    for (int x = 0; x < DT; ++x) {
+      const int d = dl + x * TPS;
+      const float v = pre
+          ? static_cast<float>(pvalues[pvh + (int64_t)k * pvalues_strides[2] + (int64_t)d * pvalues_strides[3]])
+          : static_cast<float>(values[vh + (int64_t)k * values_strides[2] + (int64_t)d * values_strides[3]]);
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r][x] += p[r] * v;
+    }
+  }
+  if (j < J) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int x = 0; x < DT; ++x) red[(j * R + r) * D + dl + x * TPS] = acc[r][x];
+  }
+  __syncthreads();
+  for (int i = t; i < R * D; i += NT) {
+    float s = 0.f;
+    for (int jj = 0; jj < J; ++jj) s += red[jj * R * D + i];
+    o_part[((hq0 + i / D) * NC + c) * D + i % D] = s;
+  }
+  if (t < R) {
+    m_part[(hq0 + t) * NC + c] = mstat[t];
+    l_part[(hq0 + t) * NC + c] = lstat[t];
+  }
+"""
+
+INPUTS = ["q", "keys", "values", "mask", "pkeys", "pvalues", "share"]
+
+
+def _kernels():
+    if not _KERNELS:
+        from mlxb.kernels.quantized_attention import _JOIN
+
+        _KERNELS["part"] = mx.fast.cuda_kernel(
+            name="mlxb_dattn_part", input_names=INPUTS, output_names=["o_part", "m_part", "l_part"],
+            source=_PART, header=_HEADER, ensure_row_contiguous=False)
+        _KERNELS["join"] = mx.fast.cuda_kernel(
+            name="mlxb_dattn_join", input_names=["o_part", "m_part", "l_part"], output_names=["out"],
+            source=_JOIN, header=_HEADER)
+    return _KERNELS
+
+
+def chunk_for(blocks_per_chunk: int, n: int) -> int:
+    """Keys per block: the largest of 256/128/64 that still gives the GPU a few blocks per SM."""
+    for c in (256, 128):
+        if blocks_per_chunk * math.ceil(n / c) >= 512:
+            return c
+    return 64
+
+
+def supports(q, k, v, mask) -> bool:
+    """One query per row over [B, Hkv, N, D] keys and values of one float dtype, grouped-query ratio up to 8,
+    a boolean mask as wide as the keys (or none)."""
+    if not (isinstance(k, mx.array) and isinstance(v, mx.array)) or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return False
+    B, hq, L, D = q.shape
+    if L != 1 or D not in HEAD_DIMS or k.shape[-1] != D or v.shape[-1] != D or k.shape[:3] != v.shape[:3]:
+        return False
+    if k.shape[0] != B or hq % k.shape[1] or hq // k.shape[1] > MAX_GROUP or k.shape[2] < 1:
+        return False
+    if k.dtype not in (mx.bfloat16, mx.float16, mx.float32) or q.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+        return False
+    if mask is None or (isinstance(mask, str) and mask == "causal"):  # one query: causal is no mask
+        return True
+    return (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[-1] == k.shape[2]
+            and mask.shape[-2] == 1 and mask.shape[1] == 1 and mask.shape[0] in (1, B))
+
+
+def supports_shared(q, own_k, own_v, prefix_k, prefix_v, mask) -> bool:
+    """``supports`` for a shared-prefix layer: the prefix one [1, Hkv, P, D] copy of the own keys' heads."""
+    return (supports(q, own_k, own_v, mask) and isinstance(prefix_k, mx.array) and prefix_k.ndim == 4
+            and prefix_k.shape[0] == 1 and prefix_k.shape[1] == own_k.shape[1] and prefix_k.shape[-1] == own_k.shape[-1]
+            and prefix_v.shape[:3] == prefix_k.shape[:3] and prefix_v.shape[-1] == own_v.shape[-1])
+
+
+def launch_plan(B: int, hq: int, hkv: int, n: int, p: int, D: int, has_mask: bool, share_flags: bool,
+                scale: float, dtype) -> tuple[dict, dict]:
+    """Template constants, grids (in threads, as ``cuda_kernel`` takes them) and output shapes of the two kernels
+    for B rows of ``n`` own keys and a ``p``-key shared prefix; shared by ``fused_decode`` and the CPU emulation
+    test."""
+    C = chunk_for(B * hkv, n + p)
+    nc = math.ceil(p / C) + math.ceil(n / C)
+    scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
+    part = dict(template=[("D", D), ("R", hq // hkv), ("C", C), ("NT", NT), ("HAS_MASK", has_mask),
+                          ("HAS_PREFIX", p > 0), ("SHARE_FLAGS", share_flags), ("SCALE_BITS", scale_bits)],
+                grid=(nc * NT, hkv, B), threadgroup=(NT, 1, 1),
+                output_shapes=[(B, hq, nc, D), (B, hq, nc), (B, hq, nc)])
+    join = dict(template=[("T", dtype)], grid=(B * hq * D, 1, 1), threadgroup=(D, 1, 1),
+                output_shapes=[(B, hq, 1, D)])
+    return part, join
+
+
+def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, bool, int]:
+    """The part kernel's inputs (unused ones as one-element stand-ins), whether it masks, whether it reads rows'
+    share flags, and the prefix length."""
+    B, n = q.shape[0], k.shape[2]
+    if "bool" not in _DUMMY:
+        _DUMMY["bool"] = mx.array([True])
+        _DUMMY["kv"] = mx.zeros((1, 1, 1, q.shape[-1]))
+    has_mask = isinstance(mask, mx.array)
+    m2 = mx.contiguous(mx.broadcast_to(mask, (B, 1, 1, n)).reshape(B, n)) if has_mask else _DUMMY["bool"]
+    if prefix is None:
+        pk = pv = _DUMMY["kv"] if _DUMMY["kv"].shape[-1] == q.shape[-1] else mx.zeros((1, 1, 1, q.shape[-1]))
+        share, p = None, 0
+    else:
+        pk, pv, share = prefix
+        p = pk.shape[2]
+    flags = share is not None
+    return [mx.contiguous(q), k, v, m2, pk, pv, share if flags else _DUMMY["bool"]], has_mask, flags, p
+
+
+def fused_decode(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = None):
+    """Attention of one query token per row: q [B, Hq, 1, D] over k/v [B, Hkv, N, D] (strided views are read
+    in place), a bool ``mask`` [B|1, 1, 1, N] (or None), and ``prefix`` = (keys [1, Hkv, P, D], values, share
+    flags [B] bool or None for every row) read by the rows that share it. Returns [B, Hq, 1, D]."""
+    B, hq, _, D = q.shape
+    inputs, has_mask, flags, p = kernel_inputs(q, k, v, mask, prefix)
+    part, join = launch_plan(B, hq, k.shape[1], k.shape[2], p, D, has_mask, flags, scale, q.dtype)
+    kern = _kernels()
+    o_part, m_part, l_part = kern["part"](inputs=inputs, output_dtypes=[mx.float32] * 3, **part)
+    (out,) = kern["join"](inputs=[o_part, m_part, l_part], output_dtypes=[q.dtype], **join)
+    return out
+
+
+def reference(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = None):
+    """The same attention in float32 through plain ops (the self-check's and the tests' reference)."""
+    f = mx.float32
+    q, k, v = q.astype(f), k.astype(f), v.astype(f)
+    B, hq, _, D = q.shape
+    hkv = k.shape[1]
+    keep = mx.ones((B, 1, 1, k.shape[2]), dtype=mx.bool_) if not isinstance(mask, mx.array) else mx.broadcast_to(mask, (B, 1, 1, k.shape[2]))
+    if prefix is not None:
+        pk, pv, share = prefix
+        P = pk.shape[2]
+        k = mx.concatenate([mx.broadcast_to(pk.astype(f), (B, hkv, P, D)), k], axis=2)
+        v = mx.concatenate([mx.broadcast_to(pv.astype(f), (B, hkv, P, D)), v], axis=2)
+        flags = mx.ones((B,), dtype=mx.bool_) if share is None else share
+        keep = mx.concatenate([mx.broadcast_to(flags[:, None, None, None], (B, 1, 1, P)), keep], axis=-1)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep) if _ORIGINAL is None else \
+        _ORIGINAL(q, k, v, scale=scale, mask=keep)
+
+
+def self_check(tol: float = 1e-4) -> float:
+    """The kernel on small float32 cases (left padding, an unwritten buffer tail read through a strided view,
+    several chunks, grouped queries, a shared prefix that one row does not read) against ``reference`` on this
+    device. Raises ValueError naming the fix if it fails to compile or disagrees; returns the max difference."""
+    err = 0.0
+    for B, hq, hkv, D, n, width, P, seed in ((2, 8, 2, 128, 300, 384, 0, 11), (3, 4, 4, 64, 90, 128, 200, 12)):
+        ks = mx.random.split(mx.random.key(seed), 6)
+        q = mx.random.normal((B, hq, 1, D), key=ks[0])
+        kb = mx.random.normal((B, hkv, width, D), key=ks[1])
+        vb = mx.random.normal((B, hkv, width, D), key=ks[2])
+        k, v = kb[:, :, :n], vb[:, :, :n]  # a view of a wider buffer, as the batch caches hand it over
+        pos = mx.arange(n)
+        mask = (pos[None] >= mx.array([(i * 37) % (n // 2) for i in range(B)])[:, None]).reshape(B, 1, 1, n)
+        prefix = None
+        if P:
+            prefix = (mx.random.normal((1, hkv, P, D), key=ks[3]), mx.random.normal((1, hkv, P, D), key=ks[4]),
+                      mx.array([i != 1 for i in range(B)]))
+        try:
+            got = fused_decode(q, k, v, D ** -0.5, mask, prefix)
+            want = reference(q, k, v, D ** -0.5, mask, prefix)
+            err = max(err, mx.abs(got - want).max().item())
+        except Exception as e:  # a compile or launch failure on this device
+            raise ValueError(f"--kv-attention fused: the dense decode kernel failed on this device ({e}); "
+                             "use --kv-attention mlx-lm") from e
+    if not err <= tol:
+        raise ValueError(f"--kv-attention fused: the dense decode kernel disagrees with float32 attention on this "
+                         f"device (max |diff| {err:.3g} > {tol:g}); use --kv-attention mlx-lm")
+    return err
+
+
+def _dispatch(q, k, v, *, scale, mask=None, sinks=None, **kw):
+    # without an array mask MLX's own vector kernel already reads in one pass (a lone row, an aligned batch)
+    if active() and isinstance(mask, mx.array) and sinks is None and not kw and supports(q, k, v, mask):
+        return fused_decode(q, k, v, scale, mask)
+    return _ORIGINAL(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
+
+
+def active() -> bool:
+    """Whether this attention call takes the kernel: ``--kv-attention fused`` is on and the call belongs to one of
+    the engine's forwards (``ours``), so mlx-lm code in the same process (the peer arm of ``bench engine``, a
+    parity oracle) keeps MLX's read."""
+    return _ON and getattr(_OURS, "on", False)
+
+
+@contextlib.contextmanager
+def ours():
+    """Mark the forward this thread builds inside the block as the engine's (see ``active``)."""
+    if not _ON:
+        yield
+        return
+    before = getattr(_OURS, "on", False)
+    _OURS.on = True
+    try:
+        yield
+    finally:
+        _OURS.on = before
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the kernel on (after ``self_check``; CUDA only) or off. The wrap stays installed once made; off, it
+    passes every call through."""
+    global _ON, _ORIGINAL
+    if on:
+        if not cuda_gpu():
+            raise ValueError("--kv-attention fused needs MLX's CUDA backend (a CUDA GPU as the default device); "
+                             "on this backend use --kv-attention mlx-lm")
+        if _ORIGINAL is None:
+            _ORIGINAL = mx.fast.scaled_dot_product_attention
+            mx.fast.scaled_dot_product_attention = _dispatch
+        _ON = False  # until the check passes
+        self_check()
+    _ON = on

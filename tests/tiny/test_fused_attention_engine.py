@@ -1,0 +1,64 @@
+"""``--kv-attention fused`` through the engine: with the dense decode kernel's dispatch switched on and the kernel
+itself run by the CPU emulation of its CUDA source (tests/unit/cuda_emulation.py), a batch of staggered rows
+(left padding, rows joining and leaving) and a fleet that shares a prompt prefix decode the same tokens as MLX's
+attention, with logits within float32 rounding, and the masked decode reads (or the shared prefix) took the kernel."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxb.cache import shared as shared_cache
+from mlxb.kernels import dense_attention as da
+from tests.tiny.test_shared_engine import _fleet, _serve
+from tests.unit.test_dense_attention_emulated import emulated
+
+
+DELAYS = [0, 0, 0.02, 0.04]  # two rows start together, two join while they decode: left-padded, masked batches
+
+
+@pytest.fixture
+def emulated_fused(monkeypatch):
+    """Turn the dispatch on as ``set_enabled(True)`` would on CUDA, with the emulated kernel behind it."""
+    calls = {"dense": 0, "prefix": 0, "drop_mask": False}
+
+    def run(q, k, v, scale, mask=None, prefix=None):
+        calls["prefix" if prefix is not None else "dense"] += 1
+        if calls["drop_mask"]:  # planted bug: the padding and holes are read as keys
+            mask = None
+        f = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
+        pre = None if prefix is None else (f(prefix[0]), f(prefix[1]), None if prefix[2] is None else np.array(prefix[2]))
+        out, _ = emulated(da._PART, f(q), f(k), f(v), scale, None if mask is None else np.array(mask), pre)
+        return mx.array(out).astype(q.dtype)
+
+    shared_cache.install()  # so that the wrap below sits in front of the shared-prefix dispatcher, as at start-up
+    monkeypatch.setattr(da, "_ORIGINAL", mx.fast.scaled_dot_product_attention)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", da._dispatch)
+    monkeypatch.setattr(da, "fused_decode", run)
+    monkeypatch.setattr(da, "_ON", True)
+    return calls
+
+
+@pytest.mark.parametrize("share_min", [pytest.param(None, marks=pytest.mark.full), 64])
+def test_fused_decode_attention_gives_the_same_tokens(share_min, tiny_models, emulated_fused):
+    model, tok, _, _ = tiny_models("tiny-llama")
+    ps = _fleet(n=3, prefix=160, seed=3)
+    da._ON = False
+    ref, ref_caps, _, _ = _serve(model, tok, ps, share_min, max_tokens=8, delays=DELAYS)
+    assert emulated_fused["dense"] == emulated_fused["prefix"] == 0
+    da._ON = True
+    got, caps, _, stats = _serve(model, tok, ps, share_min, max_tokens=8, delays=DELAYS)
+    assert got == ref
+    assert max(float(np.abs(caps[k] - ref_caps[k]).max()) for k in ref_caps) < 1e-3
+    # shared-prefix layers read the prefix as the kernel's chunks; otherwise every masked decode read took it
+    assert emulated_fused["prefix" if share_min else "dense"] > 0, (emulated_fused, stats)
+
+
+@pytest.mark.full
+def test_a_dispatch_that_drops_the_mask_fails(tiny_models, emulated_fused):
+    model, tok, _, _ = tiny_models("tiny-llama")
+    ps = _fleet(n=3, prefix=160, seed=3)
+    da._ON = False
+    ref, ref_caps, _, _ = _serve(model, tok, ps, None, max_tokens=8, delays=DELAYS)
+    da._ON, emulated_fused["drop_mask"] = True, True
+    got, caps, _, _ = _serve(model, tok, ps, None, max_tokens=8, delays=DELAYS)
+    assert got != ref or max(float(np.abs(caps[k] - ref_caps[k]).max()) for k in ref_caps) > 1e-2
