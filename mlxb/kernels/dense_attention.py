@@ -38,6 +38,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.kernels import cuda_gpu
+from mlxb.kernels.quantized_attention import _CHUNK_STATS, chunk_for
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of the warp: a lane per 32nd dim when scoring
 MAX_GROUP = 8  # query heads per KV head
@@ -118,22 +119,7 @@ _PART = r"""
   }
   __syncthreads();
 
-  // phase 2: the chunk's max and exp-sum per query head (one warp per head)
-  for (int r = warp; r < R; r += NW) {
-    float m = MLXB_NEG_INF;
-    for (int k = lane; k < C; k += 32) m = fmaxf(m, ps[r][k]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    for (int k = lane; k < C; k += 32) {
-      const float p = (m == MLXB_NEG_INF) ? 0.f : expf(ps[r][k] - m);
-      ps[r][k] = p;
-      l += p;
-    }
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) { mstat[r] = m; lstat[r] = l; }
-  }
-  __syncthreads();
-
+""" + _CHUNK_STATS + r"""
   // phase 3: probability-weighted values; consecutive threads own consecutive dims (coalesced rows)
   const int j = t / TPS, dl = t % TPS;
   float acc[R][DT];
@@ -191,14 +177,6 @@ def _kernels():
             name="mlxb_dattn_join", input_names=["o_part", "m_part", "l_part"], output_names=["out"],
             source=_JOIN, header=_HEADER)
     return _KERNELS
-
-
-def chunk_for(blocks_per_chunk: int, n: int) -> int:
-    """Keys per block: the largest of 256/128/64 that still gives the GPU a few blocks per SM."""
-    for c in (256, 128):
-        if blocks_per_chunk * math.ceil(n / c) >= 512:
-            return c
-    return 64
 
 
 def supports(q, k, v, mask) -> bool:

@@ -33,7 +33,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels import dense_attention, quantized_paths, split_read
+from mlxb.kernels import quantized_paths, split_read
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 from mlxb.kernels.split_read import split_attention, split_parts
 
@@ -63,6 +63,8 @@ def set_kv_attention(mode: str) -> None:
                              "device); on this backend use --kv-attention mlx-lm")
         self_check()
         _install()
+    from mlxb.kernels import dense_attention  # (it imports this module's kernel pieces)
+
     dense_attention.set_enabled(mode == "fused")  # full-precision batch layers' decode reads too
     _MODE, _ROUTE = mode, None
     quantized_paths.reset()
@@ -118,6 +120,27 @@ def mark(t: tuple) -> tuple:
 
 _HEADER = r"""
 #define MLXB_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
+"""
+
+# Shared by both kernels (and ``dense_attention``'s): per query head r, the max of the chunk's scores ps[r][:C], the
+# scores turned into exp(s - max) in place, and their sum, one warp per head (mstat, lstat).
+_CHUNK_STATS = r"""
+  // phase 2: the chunk's max and exp-sum per query head (one warp per head)
+  for (int r = warp; r < R; r += NT / 32) {
+    float m = MLXB_NEG_INF;
+    for (int k = lane; k < C; k += 32) m = fmaxf(m, ps[r][k]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    for (int k = lane; k < C; k += 32) {
+      const float p = (m == MLXB_NEG_INF) ? 0.f : expf(ps[r][k] - m);
+      ps[r][k] = p;
+      l += p;
+    }
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) { mstat[r] = m; lstat[r] = l; }
+  }
+  __syncthreads();
+
 """
 
 _PART = r"""
@@ -193,22 +216,7 @@ _PART = r"""
   }
   __syncthreads();
 
-  // phase 2: the chunk's max and exp-sum per query head (one warp per head)
-  for (int r = warp; r < R; r += NT / 32) {
-    float m = MLXB_NEG_INF;
-    for (int k = lane; k < C; k += 32) m = fmaxf(m, ps[r][k]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    for (int k = lane; k < C; k += 32) {
-      const float p = (m == MLXB_NEG_INF) ? 0.f : expf(ps[r][k] - m);
-      ps[r][k] = p;
-      l += p;
-    }
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) { mstat[r] = m; lstat[r] = l; }
-  }
-  __syncthreads();
-
+""" + _CHUNK_STATS + r"""
   // phase 3: probability-weighted packed values; a thread owns one word of the row for a slot of keys
   const int wv = t % W, j = t / W;
   const int g = (wv * E) / G;

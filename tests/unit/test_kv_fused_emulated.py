@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_path
 
+from mlxb.kernels import dense_attention
 from mlxb.kernels import quantized_attention as qa
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the CUDA emulation")
@@ -158,7 +159,7 @@ def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monk
     monkeypatch.setattr(qa, "fused_available", lambda: True)
     monkeypatch.setattr(qa, "_install", lambda: None)
     dense = []  # the full-precision kernel's switch (its own self-check: test_dense_attention_emulated.py)
-    monkeypatch.setattr(qa.dense_attention, "set_enabled", dense.append)
+    monkeypatch.setattr(dense_attention, "set_enabled", dense.append)
     try:
         monkeypatch.setattr(qa, "fused_decode", with_source(qa._PART))
         qa.set_kv_attention("fused")
