@@ -403,7 +403,7 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
           # against the kernel and the cascade against it; PART=2: bench engine with and without (ours vs mlx-lm's
           # BatchGenerator each); PART=3: the 32-agent loop, fused against off (MLXB_KV_ATTENTION=fused, --peer mlxb-fused-off)
     m=synth-llama-8b
-    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    [ "${PART:-1}" = 1 ] || [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     case ${PART:-1} in
       1) timeout ${LIMIT:-240} python3 scripts/dense_attention_cost.py --batches ${BATCHES:-8,32,64} --context ${CONTEXT:-2048,8192} \
            --out "$OUT/dense-attention-cost.json" 2>&1 | grep -v Warning ;;
