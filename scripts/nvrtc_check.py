@@ -13,6 +13,7 @@ import ctypes
 import sys
 
 sys.path.insert(0, ".")
+from mlxb.kernels import dense_attention as da  # noqa: E402
 from mlxb.kernels import quantized_attention as qa  # noqa: E402
 
 PRELUDE = r"""
@@ -32,6 +33,8 @@ def wrap(name, inputs, outputs, source, header, consts):
         sig.append(f"const {CTYPES[t]}* {n}")
         if n + "_shape" in source:
             sig.append(f"const __grid_constant__ Shape {n}_shape")
+        if n + "_strides" in source:
+            sig.append(f"const __grid_constant__ Strides {n}_strides")
     sig += [f"{CTYPES[t]}* {n}" for n, t in outputs]
     body = "".join(f"  using {k} = {CTYPES[v]};\n" if isinstance(v, str) else
                    f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
@@ -76,6 +79,19 @@ def main():
         rc, log = compile_one(lib, src, "join.cu", a.include)
         print(T, "join", "ok" if rc == 0 else "FAILED", log.strip()[:2000])
         bad += rc != 0
+    # the full-precision kernel (dense_attention): keys/values in the cache's dtype, a float32 prefix's values
+    for T in ("bfloat16", "float32", "float16"):
+        for D, R, C, prefix, flags in ((128, 4, 256, True, True), (128, 8, 64, False, False), (64, 1, 128, True, False),
+                                       (96, 3, 128, False, False), (256, 8, 256, True, True), (32, 2, 64, False, False)):
+            i = [("q", T), ("keys", T), ("values", T), ("mask", "bool"), ("pkeys", T), ("pvalues", "float32"),
+                 ("share", "bool")]
+            consts = dict(D=D, R=R, C=C, NT=da.NT, HAS_MASK=True, HAS_PREFIX=prefix, SHARE_FLAGS=flags,
+                          SCALE_BITS=1040187392)
+            src = wrap("dpart", i, [("o_part", "float32"), ("m_part", "float32"), ("l_part", "float32")],
+                       da._PART, da._HEADER, consts)
+            rc, log = compile_one(lib, src, "dpart.cu", a.include)
+            print(T, D, R, C, prefix, flags, "dense part", "ok" if rc == 0 else "FAILED", log.strip()[:2000])
+            bad += rc != 0
     sys.exit(1 if bad else 0)
 
 
