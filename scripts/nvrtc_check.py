@@ -81,16 +81,19 @@ def main():
         bad += rc != 0
     # the full-precision kernel (dense_attention): keys/values in the cache's dtype, a float32 prefix's values
     for T in ("bfloat16", "float32", "float16"):
-        for D, R, C, prefix, flags in ((128, 4, 256, True, True), (128, 8, 64, False, False), (64, 1, 128, True, False),
-                                       (96, 3, 128, False, False), (256, 8, 256, True, True), (32, 2, 64, False, False)):
+        for D, G, L, C, prefix, flags in ((128, 4, 1, 256, True, True), (128, 8, 1, 64, False, False),
+                                          (64, 1, 1, 128, True, False), (96, 3, 1, 128, False, False),
+                                          (256, 4, 4, 256, True, True), (32, 2, 8, 64, False, False), (128, 4, 5, 128, True, False)):
             i = [("q", T), ("keys", T), ("values", T), ("mask", "bool"), ("pkeys", T), ("pvalues", "float32"),
                  ("share", "bool")]
-            consts = dict(D=D, R=R, C=C, NT=da.NT, HAS_MASK=True, HAS_PREFIX=prefix, SHARE_FLAGS=flags,
-                          SCALE_BITS=1040187392)
+            while C > 64 and da.smem_floats(G * L, D, C) > da.SMEM_FLOATS:  # as launch_plan chooses
+                C //= 2
+            consts = dict(D=D, G=G, L=L, C=C, NT=da.NT, HAS_MASK=L == 1, CAUSAL=L > 1, HAS_PREFIX=prefix,
+                          SHARE_FLAGS=flags, SCALE_BITS=1040187392)
             src = wrap("dpart", i, [("o_part", "float32"), ("m_part", "float32"), ("l_part", "float32")],
                        da._PART, da._HEADER, consts)
             rc, log = compile_one(lib, src, "dpart.cu", a.include)
-            print(T, D, R, C, prefix, flags, "dense part", "ok" if rc == 0 else "FAILED", log.strip()[:2000])
+            print(T, D, G, L, C, prefix, flags, "dense part", "ok" if rc == 0 else "FAILED", log.strip()[:2000])
             bad += rc != 0
     sys.exit(1 if bad else 0)
 

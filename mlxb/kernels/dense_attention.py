@@ -42,6 +42,9 @@ from mlxb.kernels.quantized_attention import _CHUNK_STATS, chunk_for
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of the warp: a lane per 32nd dim when scoring
 MAX_GROUP = 8  # query heads per KV head
+MAX_QUERIES = 8  # per row: a decode step (1), a verify step (the pending token and up to 7 drafts)
+MAX_ROWS = 32  # query rows per KV head in one block (heads x queries): registers and shared memory
+FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 NT = 128
 
 _ORIGINAL = None  # MLX's (or the previous wrapper's) attention while ours is installed
@@ -55,6 +58,7 @@ _HEADER = r"""
 """
 
 _PART = r"""
+  constexpr int R = G * L;                 // query rows per KV head: its G query heads x the row's L queries
   constexpr int NW = NT / 32;              // warps: each scores one key at a time
   constexpr int DL = D / 32;               // dims per lane in the score pass
   constexpr int TPS = NT < D ? NT : D;     // threads per key slot in the value pass
@@ -71,7 +75,7 @@ _PART = r"""
   const int NCP = (P + C - 1) / C;
   const int NC = NCP + (N + C - 1) / C;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const size_t hq0 = ((size_t)b * Hkv + h) * R;  // this KV head's first query head, flattened with the row
+  const size_t hq0 = ((size_t)b * Hkv + h) * R;  // this KV head's first query row (b, head, query), flattened
   const bool pre = c < NCP;                      // a chunk of the shared prefix
   const int k0 = (pre ? c : c - NCP) * C;
   const int n = pre ? P : N;
@@ -93,8 +97,15 @@ _PART = r"""
   // phase 1: scores; a warp per key, its lanes across the head dimension
   for (int kk = warp; kk < C; kk += NW) {
     const int k = k0 + kk;
-    bool live = k < n;
-    if (live && !pre && HAS_MASK) live = mask[(size_t)b * N + k];
+    bool see[L];  // which of the row's queries see key k: the prefix all; own keys by the mask and causality
+    bool live = false;
+#pragma unroll
+    for (int i = 0; i < L; ++i) {
+      see[i] = k < n;
+      if (see[i] && !pre && HAS_MASK) see[i] = mask[((size_t)b * L + i) * N + k];
+      if (see[i] && !pre && CAUSAL) see[i] = k <= N - L + i;
+      live = live || see[i];
+    }
     float dot[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) dot[r] = 0.f;
@@ -114,7 +125,7 @@ _PART = r"""
     }
     if (lane == 0) {
 #pragma unroll
-      for (int r = 0; r < R; ++r) ps[r][kk] = live ? dot[r] : MLXB_NEG_INF;
+      for (int r = 0; r < R; ++r) ps[r][kk] = see[r % L] ? dot[r] : MLXB_NEG_INF;
     }
   }
   __syncthreads();
@@ -180,21 +191,24 @@ def _kernels():
 
 
 def supports(q, k, v, mask) -> bool:
-    """One query per row over [B, Hkv, N, D] keys and values of one float dtype, grouped-query ratio up to 8,
-    a boolean mask as wide as the keys (or none)."""
+    """L <= MAX_QUERIES queries per row (a decode step, or a verify step's pending token and drafts) over
+    [B, Hkv, N, D] keys and values of one float dtype, grouped-query ratio up to 8 (at most MAX_ROWS query rows per
+    KV head), and a boolean mask [B|1, 1, L|1, N], MLX's bottom-right "causal", or none."""
     if not (isinstance(k, mx.array) and isinstance(v, mx.array)) or q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False
     B, hq, L, D = q.shape
-    if L != 1 or D not in HEAD_DIMS or k.shape[-1] != D or v.shape[-1] != D or k.shape[:3] != v.shape[:3]:
+    if not 1 <= L <= MAX_QUERIES or D not in HEAD_DIMS or k.shape[-1] != D or v.shape[-1] != D or k.shape[:3] != v.shape[:3]:
         return False
-    if k.shape[0] != B or hq % k.shape[1] or hq // k.shape[1] > MAX_GROUP or k.shape[2] < 1:
+    if k.shape[0] != B or hq % k.shape[1] or hq // k.shape[1] > MAX_GROUP or hq // k.shape[1] * L > MAX_ROWS:
         return False
-    if k.dtype not in (mx.bfloat16, mx.float16, mx.float32) or q.dtype not in (mx.bfloat16, mx.float16, mx.float32):
+    if smem_floats(hq // k.shape[1] * L, D, 64) > SMEM_FLOATS:  # a block's shared arrays at the smallest chunk
         return False
-    if mask is None or (isinstance(mask, str) and mask == "causal"):  # one query: causal is no mask
+    if k.shape[2] < L or k.dtype not in FLOATS or q.dtype not in FLOATS:
+        return False
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
         return True
     return (isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4 and mask.shape[-1] == k.shape[2]
-            and mask.shape[-2] == 1 and mask.shape[1] == 1 and mask.shape[0] in (1, B))
+            and mask.shape[-2] in (1, L) and mask.shape[1] == 1 and mask.shape[0] in (1, B))
 
 
 def supports_shared(q, own_k, own_v, prefix_k, prefix_v, mask) -> bool:
@@ -204,49 +218,66 @@ def supports_shared(q, own_k, own_v, prefix_k, prefix_v, mask) -> bool:
             and prefix_v.shape[:3] == prefix_k.shape[:3] and prefix_v.shape[-1] == own_v.shape[-1])
 
 
-def launch_plan(B: int, hq: int, hkv: int, n: int, p: int, D: int, has_mask: bool, share_flags: bool,
-                scale: float, dtype) -> tuple[dict, dict]:
+def smem_floats(rows: int, D: int, C: int) -> int:
+    """The part kernel's static shared arrays, in floats: queries and the value pass's partial sums (rows x D
+    each, the latter once per key slot), the chunk's probabilities (rows x C) and two per-row statistics."""
+    slots = max(1, NT // D)
+    return rows * D * (1 + slots) + rows * C + 2 * rows
+
+
+SMEM_FLOATS = 48 * 1024 // 4  # CUDA's static shared memory per block
+
+
+def launch_plan(B: int, hq: int, hkv: int, L: int, n: int, p: int, D: int, has_mask: bool, causal: bool,
+                share_flags: bool, scale: float, dtype) -> tuple[dict, dict]:
     """Template constants, grids (in threads, as ``cuda_kernel`` takes them) and output shapes of the two kernels
-    for B rows of ``n`` own keys and a ``p``-key shared prefix; shared by ``fused_decode`` and the CPU emulation
-    test."""
+    for B rows of L queries over ``n`` own keys and a ``p``-key shared prefix; shared by ``fused_decode`` and the
+    CPU emulation test."""
     C = chunk_for(B * hkv, n + p)
+    while C > 64 and smem_floats(hq // hkv * L, D, C) > SMEM_FLOATS:
+        C //= 2
     nc = math.ceil(p / C) + math.ceil(n / C)
     scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
-    part = dict(template=[("D", D), ("R", hq // hkv), ("C", C), ("NT", NT), ("HAS_MASK", has_mask),
-                          ("HAS_PREFIX", p > 0), ("SHARE_FLAGS", share_flags), ("SCALE_BITS", scale_bits)],
+    part = dict(template=[("D", D), ("G", hq // hkv), ("L", L), ("C", C), ("NT", NT), ("HAS_MASK", has_mask),
+                          ("CAUSAL", causal), ("HAS_PREFIX", p > 0), ("SHARE_FLAGS", share_flags),
+                          ("SCALE_BITS", scale_bits)],
                 grid=(nc * NT, hkv, B), threadgroup=(NT, 1, 1),
-                output_shapes=[(B, hq, nc, D), (B, hq, nc), (B, hq, nc)])
-    join = dict(template=[("T", dtype)], grid=(B * hq * D, 1, 1), threadgroup=(D, 1, 1),
-                output_shapes=[(B, hq, 1, D)])
+                output_shapes=[(B, hq * L, nc, D), (B, hq * L, nc), (B, hq * L, nc)])
+    join = dict(template=[("T", dtype)], grid=(B * hq * L * D, 1, 1), threadgroup=(D, 1, 1),
+                output_shapes=[(B, hq, L, D)])
     return part, join
 
 
-def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, bool, int]:
-    """The part kernel's inputs (unused ones as one-element stand-ins), whether it masks, whether it reads rows'
-    share flags, and the prefix length."""
-    B, n = q.shape[0], k.shape[2]
+def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, bool, bool, int]:
+    """The part kernel's inputs (unused ones as one-element stand-ins), whether it masks, whether it is causal,
+    whether it reads rows' share flags, and the prefix length."""
+    B, L, n = q.shape[0], q.shape[2], k.shape[2]
     if "bool" not in _DUMMY:
         _DUMMY["bool"] = mx.array([True])
-        _DUMMY["kv"] = mx.zeros((1, 1, 1, q.shape[-1]))
+    D = q.shape[-1]
+    if D not in _DUMMY:
+        _DUMMY[D] = mx.zeros((1, 1, 1, D))
     has_mask = isinstance(mask, mx.array)
-    m2 = mx.contiguous(mx.broadcast_to(mask, (B, 1, 1, n)).reshape(B, n)) if has_mask else _DUMMY["bool"]
+    causal = isinstance(mask, str) and L > 1  # one query sees every key: causal is no mask
+    m2 = mx.contiguous(mx.broadcast_to(mask, (B, 1, L, n)).reshape(B, L, n)) if has_mask else _DUMMY["bool"]
     if prefix is None:
-        pk = pv = _DUMMY["kv"] if _DUMMY["kv"].shape[-1] == q.shape[-1] else mx.zeros((1, 1, 1, q.shape[-1]))
+        pk = pv = _DUMMY[D]
         share, p = None, 0
     else:
         pk, pv, share = prefix
         p = pk.shape[2]
     flags = share is not None
-    return [mx.contiguous(q), k, v, m2, pk, pv, share if flags else _DUMMY["bool"]], has_mask, flags, p
+    return [mx.contiguous(q), k, v, m2, pk, pv, share if flags else _DUMMY["bool"]], has_mask, causal, flags, p
 
 
 def fused_decode(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = None):
-    """Attention of one query token per row: q [B, Hq, 1, D] over k/v [B, Hkv, N, D] (strided views are read
-    in place), a bool ``mask`` [B|1, 1, 1, N] (or None), and ``prefix`` = (keys [1, Hkv, P, D], values, share
-    flags [B] bool or None for every row) read by the rows that share it. Returns [B, Hq, 1, D]."""
-    B, hq, _, D = q.shape
-    inputs, has_mask, flags, p = kernel_inputs(q, k, v, mask, prefix)
-    part, join = launch_plan(B, hq, k.shape[1], k.shape[2], p, D, has_mask, flags, scale, q.dtype)
+    """Attention of L queries per row: q [B, Hq, L, D] over k/v [B, Hkv, N, D] (strided views are read in place),
+    ``mask`` a bool [B|1, 1, L|1, N], "causal" (the queries are the last L keys) or None, and ``prefix`` = (keys
+    [1, Hkv, P, D], values, share flags [B] bool or None for every row) read by the rows that share it.
+    Returns [B, Hq, L, D]."""
+    B, hq, L, D = q.shape
+    inputs, has_mask, causal, flags, p = kernel_inputs(q, k, v, mask, prefix)
+    part, join = launch_plan(B, hq, k.shape[1], L, k.shape[2], p, D, has_mask, causal, flags, scale, q.dtype)
     kern = _kernels()
     o_part, m_part, l_part = kern["part"](inputs=inputs, output_dtypes=[mx.float32] * 3, **part)
     (out,) = kern["join"](inputs=[o_part, m_part, l_part], output_dtypes=[q.dtype], **join)
@@ -257,33 +288,42 @@ def reference(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = None):
     """The same attention in float32 through plain ops (the self-check's and the tests' reference)."""
     f = mx.float32
     q, k, v = q.astype(f), k.astype(f), v.astype(f)
-    B, hq, _, D = q.shape
-    hkv = k.shape[1]
-    keep = mx.ones((B, 1, 1, k.shape[2]), dtype=mx.bool_) if not isinstance(mask, mx.array) else mx.broadcast_to(mask, (B, 1, 1, k.shape[2]))
+    B, hq, L, D = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    if isinstance(mask, mx.array):
+        keep = mx.broadcast_to(mask, (B, 1, L, n))
+    elif isinstance(mask, str):  # MLX's bottom-right causal: query i sees keys up to n - L + i
+        keep = mx.broadcast_to((mx.arange(n)[None] <= (n - L + mx.arange(L))[:, None])[None, None], (B, 1, L, n))
+    else:
+        keep = mx.ones((B, 1, L, n), dtype=mx.bool_)
     if prefix is not None:
         pk, pv, share = prefix
         P = pk.shape[2]
         k = mx.concatenate([mx.broadcast_to(pk.astype(f), (B, hkv, P, D)), k], axis=2)
         v = mx.concatenate([mx.broadcast_to(pv.astype(f), (B, hkv, P, D)), v], axis=2)
         flags = mx.ones((B,), dtype=mx.bool_) if share is None else share
-        keep = mx.concatenate([mx.broadcast_to(flags[:, None, None, None], (B, 1, 1, P)), keep], axis=-1)
+        keep = mx.concatenate([mx.broadcast_to(flags[:, None, None, None], (B, 1, L, P)), keep], axis=-1)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep) if _ORIGINAL is None else \
         _ORIGINAL(q, k, v, scale=scale, mask=keep)
 
 
 def self_check(tol: float = 1e-4) -> float:
     """The kernel on small float32 cases (left padding, an unwritten buffer tail read through a strided view,
-    several chunks, grouped queries, a shared prefix that one row does not read) against ``reference`` on this
+    several chunks, grouped queries, a shared prefix that one row does not read, a verify step's 5 causal queries)
+    against ``reference`` on this
     device. Raises ValueError naming the fix if it fails to compile or disagrees; returns the max difference."""
     err = 0.0
-    for B, hq, hkv, D, n, width, P, seed in ((2, 8, 2, 128, 300, 384, 0, 11), (3, 4, 4, 64, 90, 128, 200, 12)):
+    for B, hq, hkv, D, n, width, P, L, seed in ((2, 8, 2, 128, 300, 384, 0, 1, 11), (3, 4, 4, 64, 90, 128, 200, 1, 12),
+                                                (2, 8, 2, 128, 150, 256, 100, 5, 13)):
         ks = mx.random.split(mx.random.key(seed), 6)
-        q = mx.random.normal((B, hq, 1, D), key=ks[0])
+        q = mx.random.normal((B, hq, L, D), key=ks[0])
         kb = mx.random.normal((B, hkv, width, D), key=ks[1])
         vb = mx.random.normal((B, hkv, width, D), key=ks[2])
         k, v = kb[:, :, :n], vb[:, :, :n]  # a view of a wider buffer, as the batch caches hand it over
         pos = mx.arange(n)
-        mask = (pos[None] >= mx.array([(i * 37) % (n // 2) for i in range(B)])[:, None]).reshape(B, 1, 1, n)
+        left = mx.array([(i * 37) % (n // 2) for i in range(B)])
+        mask = (pos[None, None] >= left[:, None, None]) & (pos[None, None] <= (n - L + mx.arange(L))[None, :, None])
+        mask = mask.reshape(B, 1, L, n)  # left padding, and causal among a verify step's queries
         prefix = None
         if P:
             prefix = (mx.random.normal((1, hkv, P, D), key=ks[3]), mx.random.normal((1, hkv, P, D), key=ks[4]),
@@ -301,9 +341,14 @@ def self_check(tol: float = 1e-4) -> float:
     return err
 
 
+def takes(q, mask) -> bool:
+    """Calls MLX's own CUDA attention would not read in one pass: an array mask (its vector kernel takes none), or
+    4+ causal queries (it takes fewer than 4). Unmasked decode and short causal calls keep its vector kernel."""
+    return isinstance(mask, mx.array) or (isinstance(mask, str) and q.shape[2] >= 4)
+
+
 def _dispatch(q, k, v, *, scale, mask=None, sinks=None, **kw):
-    # without an array mask MLX's own vector kernel already reads in one pass (a lone row, an aligned batch)
-    if active() and isinstance(mask, mx.array) and sinks is None and not kw and supports(q, k, v, mask):
+    if active() and sinks is None and not kw and takes(q, mask) and supports(q, k, v, mask):
         return fused_decode(q, k, v, scale, mask)
     return _ORIGINAL(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
 

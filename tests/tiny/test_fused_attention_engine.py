@@ -19,10 +19,11 @@ DELAYS = [0, 0, 0.02, 0.04]  # two rows start together, two join while they deco
 @pytest.fixture
 def emulated_fused(monkeypatch):
     """Turn the dispatch on as ``set_enabled(True)`` would on CUDA, with the emulated kernel behind it."""
-    calls = {"dense": 0, "prefix": 0, "drop_mask": False}
+    calls = {"dense": 0, "prefix": 0, "queries>1": 0, "drop_mask": False}
 
     def run(q, k, v, scale, mask=None, prefix=None):
         calls["prefix" if prefix is not None else "dense"] += 1
+        calls["queries>1"] += q.shape[2] > 1
         if calls["drop_mask"]:  # planted bug: the padding and holes are read as keys
             mask = None
         f = lambda a: np.array(a.astype(mx.float32))  # noqa: E731
@@ -62,3 +63,20 @@ def test_a_dispatch_that_drops_the_mask_fails(tiny_models, emulated_fused):
     da._ON, emulated_fused["drop_mask"] = True, True
     got, caps, _, _ = _serve(model, tok, ps, None, max_tokens=8, delays=DELAYS)
     assert got != ref or max(float(np.abs(caps[k] - ref_caps[k]).max()) for k in ref_caps) > 1e-2
+
+
+@pytest.mark.full
+def test_verify_steps_through_the_kernel_keep_greedy_tokens(tiny_models, emulated_fused):
+    """Speculative verify steps (the pending token and its drafts per row, holes for rejected drafts) read through
+    the kernel's several-query path: the greedy tokens equal plain decoding's."""
+    from tests.tiny.test_spec import SPEC, repetitive_prompts, run, tokens
+
+    model, tok = tiny_models("tiny-llama")[:2]
+    prompts = repetitive_prompts()
+    arrive, max_tokens = [0, 2, 5, 9], [30, 23, 26, 17]
+    da._ON = False
+    plain, _ = run(model, tok, prompts, arrive, 4, max_tokens)
+    da._ON = True
+    spec, eng = run(model, tok, prompts, arrive, 4, max_tokens, spec=SPEC)
+    assert [tokens(o) for o in spec] == [tokens(o) for o in plain]
+    assert eng.runner.spec_counts["verify_steps"] > 0 and emulated_fused["queries>1"] > 0

@@ -24,11 +24,13 @@ def emulated(part_src, q, k, v, scale, mask, prefix=None):
     """q, k, v, mask: numpy (k and v may be strided views); prefix: (keys, values, flags or None) numpy."""
     from tests.unit.cuda_emulation import EmulatedKernel
 
-    B, hq, _, D = q.shape
+    B, hq, L, D = q.shape
     hkv, n = k.shape[1], k.shape[2]
     p = 0 if prefix is None else prefix[0].shape[2]
     flags = prefix is not None and prefix[2] is not None
-    part, join = da.launch_plan(B, hq, hkv, n, p, D, mask is not None, flags, scale, "float")
+    causal = isinstance(mask, str) and L > 1
+    mask = mask if isinstance(mask, np.ndarray) else None
+    part, join = da.launch_plan(B, hq, hkv, L, n, p, D, mask is not None, causal, flags, scale, "float")
     consts = {name: val for name, val in part["template"]}
     kp = EmulatedKernel("mlxb_dattn_part", list(zip(da.INPUTS, [F32, F32, F32, BOOL, F32, F32, BOOL])),
                         [("o_part", F32), ("m_part", F32), ("l_part", F32)], part_src, da._HEADER, consts)
@@ -36,7 +38,7 @@ def emulated(part_src, q, k, v, scale, mask, prefix=None):
                         _JOIN, da._HEADER, {"T": "float"})
     dummy = np.zeros((1, 1, 1, D), F32)
     ins = dict(q=q, keys=k, values=v,
-               mask=np.ones((1,), BOOL) if mask is None else np.ascontiguousarray(np.broadcast_to(mask, (B, 1, 1, n)).reshape(B, n)),
+               mask=np.ones((1,), BOOL) if mask is None else np.ascontiguousarray(np.broadcast_to(mask, (B, 1, L, n)).reshape(B, L, n)),
                pkeys=dummy if prefix is None else prefix[0], pvalues=dummy if prefix is None else prefix[1],
                share=np.asarray(prefix[2]) if flags else np.ones((1,), BOOL))
     names = ("o_part", "m_part", "l_part")
@@ -61,18 +63,19 @@ def case(B, hq, hkv, D, n, width, seed, masked=True):
 
 
 def mlx_attention(q, k, v, scale, mask):
-    m = None if mask is None else mx.array(mask)
+    m = mask if mask is None or isinstance(mask, str) else mx.array(mask)
     return np.array(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(np.ascontiguousarray(k)),
                                                          mx.array(np.ascontiguousarray(v)), scale=scale, mask=m))
 
 
+F = pytest.mark.full  # the wider matrix: the default tier keeps one case per head size family
 CASES = [  # B, Hq, Hkv, D, keys, buffer width
-    (2, 4, 4, 64, 50, 64),
+    pytest.param(2, 4, 4, 64, 50, 64, marks=F),
     (3, 8, 2, 128, 300, 512),
-    (2, 16, 2, 64, 700, 768),
-    (1, 8, 8, 128, 90, 90),
+    pytest.param(2, 16, 2, 64, 700, 768, marks=F),
+    pytest.param(1, 8, 8, 128, 90, 90, marks=F),
     (2, 4, 1, 256, 130, 200),
-    (2, 6, 2, 96, 150, 160),
+    pytest.param(2, 6, 2, 96, 150, 160, marks=F),
     (3, 4, 2, 32, 40, 64),
 ]
 
@@ -83,6 +86,55 @@ def test_emulated_kernel_matches_mlx_attention(B, hq, hkv, D, n, width):
     want = mlx_attention(q, k, v, D ** -0.5, mask)
     got, C = emulated(da._PART, q, k, v, D ** -0.5, mask)
     assert np.abs(got - want).max() < 1e-5, C  # float32 on both sides; only the order of the sums differs
+
+
+def verify_case(B, hq, hkv, D, n, width, L, seed):
+    """A verify step's queries: L per row at the end of each row's keys, left padding, and a hole (a rejected
+    draft kept in place) that every later query must skip."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, hq, L, D), dtype=F32)
+    kbuf = rng.standard_normal((B, hkv, width, D), dtype=F32)
+    vbuf = rng.standard_normal((B, hkv, width, D), dtype=F32)
+    k, v = kbuf[:, :, :n], vbuf[:, :, :n]
+    left = np.array([(i * 29) % max(1, n // 3) for i in range(B)])
+    pos = np.arange(n)
+    causal = pos[None, :] <= (n - L + np.arange(L))[:, None]  # [L, n]
+    mask = (pos[None, None, :] >= left[:, None, None]) & causal[None]
+    mask[:, :, n - L - 3] = False  # a hole every query skips
+    return q, k, v, mask.reshape(B, 1, L, n)
+
+
+@pytest.mark.parametrize("B,hq,hkv,D,n,width,L", [(2, 8, 2, 128, 200, 256, 5), pytest.param(3, 4, 4, 64, 70, 96, 2, marks=F),
+                                                  pytest.param(1, 8, 1, 64, 150, 150, 4, marks=F), (2, 8, 2, 32, 300, 320, 8)])
+def test_several_queries_per_row_match_mlx_attention(B, hq, hkv, D, n, width, L):
+    q, k, v, mask = verify_case(B, hq, hkv, D, n, width, L, seed=n + L)
+    got, _ = emulated(da._PART, q, k, v, D ** -0.5, mask)
+    assert np.abs(got - mlx_attention(q, k, v, D ** -0.5, mask)).max() < 1e-5
+    # MLX's "causal" string (a lone row's verify): the queries are the last L keys
+    got, _ = emulated(da._PART, q[:1], k[:1], v[:1], D ** -0.5, "causal")
+    assert np.abs(got - mlx_attention(q[:1], k[:1], v[:1], D ** -0.5, "causal")).max() < 1e-5
+
+
+def test_several_queries_over_a_shared_prefix_match_cascade_attention():
+    B, hq, hkv, D, n, width, L, P = 3, 8, 2, 64, 60, 64, 4, 150
+    q, k, v, mask = verify_case(B, hq, hkv, D, n, width, L, seed=9)
+    rng = np.random.default_rng(10)
+    pk, pv = rng.standard_normal((1, hkv, P, D), dtype=F32), rng.standard_normal((1, hkv, P, D), dtype=F32)
+    share = np.array([True, False, True])
+    want = np.array(cascade_attention(mx.array(q), (mx.array(np.ascontiguousarray(k)), mx.array(pk), mx.array(share)),
+                                      (mx.array(np.ascontiguousarray(v)), mx.array(pv)), D ** -0.5, mx.array(mask)))
+    got, _ = emulated(da._PART, q, k, v, D ** -0.5, mask, (pk, pv, share))
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_a_query_that_sees_later_keys_fails():
+    """Planted: the causal bound one key late (each query also sees the next draft)."""
+    q, k, v, _ = verify_case(1, 8, 2, 64, 120, 128, 5, seed=4)
+    planted = da._PART.replace("see[i] = k <= N - L + i;", "see[i] = k <= N - L + i + 1;")
+    assert planted != da._PART
+    want = mlx_attention(q, k, v, 64 ** -0.5, "causal")
+    wrong, _ = emulated(planted, q, k, v, 64 ** -0.5, "causal")
+    assert np.abs(wrong - want).max() > 1e-2
 
 
 def test_without_a_mask_every_key_is_read():
@@ -113,7 +165,7 @@ def test_a_shared_prefix_matches_cascade_attention(flags):
 @pytest.mark.parametrize("bug,old,new", [
     ("the keys' head stride taken as N * D (a contiguous [B, H, N, D] assumed, not a view of a wider buffer)",
      "(int64_t)h * keys_strides[1]", "(int64_t)h * N * D"),
-    ("the mask ignored", "if (live && !pre && HAS_MASK) live = mask[(size_t)b * N + k];", ""),
+    ("the mask ignored", "if (see[i] && !pre && HAS_MASK) see[i] = mask[((size_t)b * L + i) * N + k];", ""),
     ("a row that does not share reads the prefix anyway", "if (pre && SHARE_FLAGS && !share[b])", "if (false)"),
 ])
 def test_planted_bugs_fail(bug, old, new):
@@ -134,7 +186,16 @@ def test_supports_decode_shapes_only():
     k = mx.zeros((2, 2, 40, 128))
     mask = mx.ones((2, 1, 1, 40), dtype=mx.bool_)
     assert da.supports(q, k, k, mask) and da.supports(q, k, k, None) and da.supports(q, k, k, "causal")
-    assert not da.supports(mx.zeros((2, 8, 3, 128)), k, k, None)  # several queries: MLX's path
+    assert da.supports(mx.zeros((2, 8, 5, 128)), k, k, "causal")  # a verify step
+    assert da.supports(mx.zeros((2, 8, 5, 128)), k, k, mx.ones((2, 1, 5, 40), dtype=mx.bool_))
+    assert not da.supports(mx.zeros((2, 8, 9, 128)), k, k, "causal")  # more queries than a verify step: MLX's path
+    assert not da.supports(mx.zeros((2, 8, 5, 128)), k, k, mx.ones((2, 1, 4, 40), dtype=mx.bool_))
+    assert not da.supports(mx.zeros((2, 16, 5, 128)), k, k, "causal")  # 8 heads x 5 queries: 40 rows a block
+    k256 = mx.zeros((2, 2, 40, 256))  # 32 rows of 256 dims: more than a block's 48 KB of shared memory
+    assert not da.supports(mx.zeros((2, 16, 4, 256)), k256, k256, "causal")
+    assert da.supports(mx.zeros((2, 8, 4, 256)), k256, k256, "causal")
+    part, _ = da.launch_plan(64, 8, 2, 4, 8000, 0, 256, False, True, False, 1.0, mx.bfloat16)
+    assert da.smem_floats(16, 256, dict(part["template"])["C"]) <= da.SMEM_FLOATS
     assert not da.supports(q, k, k, mx.zeros((2, 1, 1, 40)))  # an additive mask
     assert not da.supports(mx.zeros((2, 8, 1, 80)), mx.zeros((2, 2, 40, 80)), mx.zeros((2, 2, 40, 80)), None)
     assert not da.supports(mx.zeros((2, 24, 1, 128)), k, k, None)  # 12 query heads per KV head
@@ -160,9 +221,11 @@ def test_only_the_engines_forwards_take_the_kernel(monkeypatch):
     assert da._dispatch(q, k, k, scale=0.1, mask=m) == "mlx"
     with da.ours():
         assert da._dispatch(q, k, k, scale=0.1, mask=m) == "fused"
-        assert da._dispatch(mx.zeros((2, 4, 5, 64)), k, k, scale=0.1, mask="causal") == "mlx"  # not decode
+        assert da._dispatch(mx.zeros((2, 4, 5, 64)), k, k, scale=0.1, mask="causal") == "fused"  # a verify step
+        assert da._dispatch(mx.zeros((2, 4, 3, 64)), k, k, scale=0.1, mask="causal") == "mlx"  # MLX's vector kernel
         assert da._dispatch(q, k, k, scale=0.1, mask=None) == "mlx"  # MLX's vector kernel reads unmasked in one pass
-    assert da._dispatch(q, k, k, scale=0.1, mask=m) == "mlx" and taken == [1]
+        assert da._dispatch(mx.zeros((2, 4, 40, 64)), k, k, scale=0.1, mask="causal") == "mlx"  # a prefill chunk
+    assert da._dispatch(q, k, k, scale=0.1, mask=m) == "mlx" and taken == [1, 1]
     monkeypatch.setattr(da, "_ON", False)
     with da.ours():
         assert da._dispatch(q, k, k, scale=0.1, mask=m) == "mlx"
@@ -189,7 +252,7 @@ def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monk
     da.set_enabled(True)
     assert da._ON and mx.fast.scaled_dot_product_attention is da._dispatch
     monkeypatch.setattr(da, "fused_decode", with_source(da._PART.replace(
-        "if (live && !pre && HAS_MASK) live = mask[(size_t)b * N + k];", "")))
+        "if (see[i] && !pre && HAS_MASK) see[i] = mask[((size_t)b * L + i) * N + k];", "")))
     with pytest.raises(ValueError, match="disagrees.*--kv-attention mlx-lm"):
         da.set_enabled(True)
     assert not da._ON

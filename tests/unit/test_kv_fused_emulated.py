@@ -125,6 +125,7 @@ def test_engine_rows_take_the_fused_read_and_keep_their_tokens(tiny_models, monk
         plain, _, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 16)
         monkeypatch.setattr(qa, "fused_available", lambda: True)
         monkeypatch.setattr(qa, "fused_decode", fused)
+        monkeypatch.setattr(dense_attention, "set_enabled", lambda on: None)  # quantized layers only here
         qa.set_kv_attention("fused")
         got, _, _ = engine_rows(model, tok, prompts, [0, 2, 3], 8, 0, 4, 16)
     finally:
