@@ -9,7 +9,8 @@ decode step 75 ms (reports/h100/session58/shared).
 
 This is the split-key pass of ``quantized_attention`` for bf16/fp16/fp32 caches:
 
-* ``mlxb_dattn_part``: one thread block per (chunk of ``C`` keys, KV head, row). A warp scores a key for every
+* ``mlxb_dattn_part``: one thread block per (chunk of ``C`` keys, KV head, row); queries, keys and values
+  are read through their strides (the model's transposed queries and the cache's views are not copied). A warp scores a key for every
   query head of its KV head (lanes across the head dimension, so the key's row is read coalesced), masked keys
   are skipped without being read, the chunk keeps its max and exp-sum, and the threads sum the values weighted
   by the chunk's probabilities. Keys and values are read through their strides, so the batch cache's view of
@@ -38,7 +39,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.kernels import cuda_gpu
-from mlxb.kernels.quantized_attention import _CHUNK_STATS, chunk_for
+from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, chunk_for
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of the warp: a lane per 32nd dim when scoring
 MAX_GROUP = 8  # query heads per KV head
@@ -52,10 +53,6 @@ _ON = False
 _OURS = threading.local()  # set while this thread builds one of the engine's own forwards (``ours``)
 _KERNELS: dict = {}
 _DUMMY: dict = {}
-
-_HEADER = r"""
-#define MLXB_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
-"""
 
 _PART = r"""
   constexpr int R = G * L;                 // query rows per KV head: its G query heads x the row's L queries
@@ -91,7 +88,11 @@ _PART = r"""
   const int64_t pkh = HAS_PREFIX ? (int64_t)h * pkeys_strides[1] : 0;
   const int64_t pvh = HAS_PREFIX ? (int64_t)h * pvalues_strides[1] : 0;
 
-  for (int i = t; i < R * D; i += NT) qs[i] = static_cast<float>(q[hq0 * D + i]) * scale;
+  for (int i = t; i < R * D; i += NT) {  // query row r = (head g of this KV head, query j), read through q's strides
+    const int r = i / D, d = i % D, g = r / L, j = r % L;
+    qs[i] = static_cast<float>(q[(int64_t)b * q_strides[0] + (int64_t)(h * G + g) * q_strides[1]
+                                 + (int64_t)j * q_strides[2] + (int64_t)d * q_strides[3]]) * scale;
+  }
   __syncthreads();
 
   // phase 1: scores; a warp per key, its lanes across the head dimension
@@ -130,7 +131,7 @@ _PART = r"""
   }
   __syncthreads();
 
-""" + _CHUNK_STATS + r"""
+""" + CHUNK_STATS + r"""
   // phase 3: probability-weighted values; consecutive threads own consecutive dims (coalesced rows)
   const int j = t / TPS, dl = t % TPS;
   float acc[R][DT];
@@ -179,8 +180,6 @@ INPUTS = ["q", "keys", "values", "mask", "pkeys", "pvalues", "share"]
 
 def _kernels():
     if not _KERNELS:
-        from mlxb.kernels.quantized_attention import _JOIN
-
         _KERNELS["part"] = mx.fast.cuda_kernel(
             name="mlxb_dattn_part", input_names=INPUTS, output_names=["o_part", "m_part", "l_part"],
             source=_PART, header=_HEADER, ensure_row_contiguous=False)
@@ -259,7 +258,7 @@ def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, b
         _DUMMY[D] = mx.zeros((1, 1, 1, D))
     has_mask = isinstance(mask, mx.array)
     causal = isinstance(mask, str) and L > 1  # one query sees every key: causal is no mask
-    m2 = mx.contiguous(mx.broadcast_to(mask, (B, 1, L, n)).reshape(B, L, n)) if has_mask else _DUMMY["bool"]
+    m2 = _flat_mask(mask, B, L, n) if has_mask else _DUMMY["bool"]
     if prefix is None:
         pk = pv = _DUMMY[D]
         share, p = None, 0
@@ -267,7 +266,18 @@ def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, b
         pk, pv, share = prefix
         p = pk.shape[2]
     flags = share is not None
-    return [mx.contiguous(q), k, v, m2, pk, pv, share if flags else _DUMMY["bool"]], has_mask, causal, flags, p
+    return [q, k, v, m2, pk, pv, share if flags else _DUMMY["bool"]], has_mask, causal, flags, p
+
+
+def _flat_mask(mask, B: int, L: int, n: int):
+    """The mask as the kernel reads it, [B, L, n] contiguous: made once per forward (every layer of a model is
+    handed the same mask array), not once per layer."""
+    last = _DUMMY.get("mask")
+    if last is not None and last[0] is mask and last[1] == (B, L, n):
+        return last[2]
+    m2 = mx.contiguous(mx.broadcast_to(mask, (B, 1, L, n)).reshape(B, L, n))
+    _DUMMY["mask"] = (mask, (B, L, n), m2)
+    return m2
 
 
 def fused_decode(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = None):

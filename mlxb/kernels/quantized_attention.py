@@ -34,6 +34,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.kernels import quantized_paths, split_read
+from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, chunk_for
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 from mlxb.kernels.split_read import split_attention, split_parts
 
@@ -118,31 +119,6 @@ def mark(t: tuple) -> tuple:
     return Packed(t) if _ROUTE else t
 
 
-_HEADER = r"""
-#define MLXB_NEG_INF (-cuda::std::numeric_limits<float>::infinity())
-"""
-
-# Shared by both kernels (and ``dense_attention``'s): per query head r, the max of the chunk's scores ps[r][:C], the
-# scores turned into exp(s - max) in place, and their sum, one warp per head (mstat, lstat).
-_CHUNK_STATS = r"""
-  // phase 2: the chunk's max and exp-sum per query head (one warp per head)
-  for (int r = warp; r < R; r += NT / 32) {
-    float m = MLXB_NEG_INF;
-    for (int k = lane; k < C; k += 32) m = fmaxf(m, ps[r][k]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    for (int k = lane; k < C; k += 32) {
-      const float p = (m == MLXB_NEG_INF) ? 0.f : expf(ps[r][k] - m);
-      ps[r][k] = p;
-      l += p;
-    }
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) { mstat[r] = m; lstat[r] = l; }
-  }
-  __syncthreads();
-
-"""
-
 _PART = r"""
   constexpr int E = 32 / BITS;            // values per packed word
   constexpr int W = D / E;                // words per row
@@ -216,7 +192,7 @@ _PART = r"""
   }
   __syncthreads();
 
-""" + _CHUNK_STATS + r"""
+""" + CHUNK_STATS + r"""
   // phase 3: probability-weighted packed values; a thread owns one word of the row for a slot of keys
   const int wv = t % W, j = t / W;
   const int g = (wv * E) / G;
@@ -260,23 +236,6 @@ _PART = r"""
   }
 """
 
-_JOIN = r"""
-  const int bh = blockIdx.x, d = threadIdx.x;
-  const int NC = m_part_shape[2];
-  const int D = o_part_shape[3];
-  float M = MLXB_NEG_INF;
-  for (int c = 0; c < NC; ++c) M = fmaxf(M, m_part[(size_t)bh * NC + c]);
-  float num = 0.f, den = 0.f;
-  if (M != MLXB_NEG_INF) {
-    for (int c = 0; c < NC; ++c) {
-      const float w = expf(m_part[(size_t)bh * NC + c] - M);
-      num += w * o_part[((size_t)bh * NC + c) * D + d];
-      den += w * l_part[(size_t)bh * NC + c];
-    }
-  }
-  out[(size_t)bh * D + d] = static_cast<T>(den > 0.f ? num / den : 0.f);
-"""
-
 NT = 128
 
 
@@ -289,14 +248,6 @@ def _kernels():
             name="mlxb_qattn_join", input_names=["o_part", "m_part", "l_part"], output_names=["out"],
             source=_JOIN, header=_HEADER)
     return _KERNELS
-
-
-def chunk_for(blocks_per_chunk: int, n: int) -> int:
-    """Keys per block: the largest of 256/128/64 that still gives the GPU a few blocks per SM."""
-    for c in (256, 128):
-        if blocks_per_chunk * math.ceil(n / c) >= 512:
-            return c
-    return 64
 
 
 def supports(queries, q_keys, q_values, mask, group_size: int, bits: int) -> bool:

@@ -2,8 +2,9 @@
 small stand-in for the CUDA built-ins it uses. A launch makes ``NT`` OS threads, which run the blocks one at a
 time, each thread its lane of every block (``__syncthreads`` is a block barrier, ``__shfl_xor_sync`` a warp
 barrier over an exchange buffer, ``__shared__`` arrays are static). It checks the kernel's indexing and
-arithmetic, not its speed or the GPU's memory model. Element type ``T`` is float. An input whose source names
-``<name>_strides`` is passed as it is (a numpy view keeps its strides, in elements, as MLX passes them)."""
+arithmetic, not its speed or the GPU's memory model. Element type ``T`` is float. As MLX's ``cuda_kernel``, inputs
+are made row-contiguous unless ``ensure_row_contiguous=False``, which hands every input over as it lies (a numpy
+view keeps its strides); ``<name>_strides`` in the source passes an input's strides, in elements."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ CTYPES = {np.float32: "float", np.uint32: "uint32_t", np.int32: "int32_t", np.bo
 class EmulatedKernel:
     """``inputs``/``outputs``: (name, numpy dtype); ``consts``: template constants (int, bool, or 'float' for T)."""
 
-    def __init__(self, name: str, inputs, outputs, source: str, header: str, consts: dict):
+    def __init__(self, name: str, inputs, outputs, source: str, header: str, consts: dict,
+                 ensure_row_contiguous: bool = True):
         if shutil.which("g++") is None:
             raise RuntimeError("g++ is needed to emulate CUDA kernels on the CPU")
         params, call, self.slots = [], [], []
@@ -114,6 +116,7 @@ class EmulatedKernel:
                 raise RuntimeError(f"g++ failed on the emulated kernel {name}:\n{r.stderr[:4000]}")
         self.lib = ctypes.CDLL(str(so))
         self.outputs = outputs
+        self.as_is = not ensure_row_contiguous  # MLX's cuda_kernel then hands every input over as it lies
 
     def __call__(self, inputs: dict, output_shapes: dict, grid, threadgroup) -> dict:
         keep, ptrs = [], []
@@ -121,7 +124,7 @@ class EmulatedKernel:
         strided = {n for kind, n in self.slots if kind == "strides"}
         for kind, n in self.slots:
             if kind == "in":
-                a = inputs[n] if n in strided else np.ascontiguousarray(inputs[n])
+                a = inputs[n] if (n in strided or self.as_is) else np.ascontiguousarray(inputs[n])
             elif kind == "shape":
                 s = list(inputs[n].shape) + [0] * (8 - inputs[n].ndim)
                 a = np.array(s, dtype=np.int32)

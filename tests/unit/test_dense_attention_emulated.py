@@ -13,7 +13,7 @@ import pytest
 
 from mlxb.cache.shared import cascade_attention
 from mlxb.kernels import dense_attention as da
-from mlxb.kernels.quantized_attention import _JOIN
+from mlxb.kernels.split_key import JOIN as _JOIN
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the CUDA emulation")
 
@@ -33,7 +33,8 @@ def emulated(part_src, q, k, v, scale, mask, prefix=None):
     part, join = da.launch_plan(B, hq, hkv, L, n, p, D, mask is not None, causal, flags, scale, "float")
     consts = {name: val for name, val in part["template"]}
     kp = EmulatedKernel("mlxb_dattn_part", list(zip(da.INPUTS, [F32, F32, F32, BOOL, F32, F32, BOOL])),
-                        [("o_part", F32), ("m_part", F32), ("l_part", F32)], part_src, da._HEADER, consts)
+                        [("o_part", F32), ("m_part", F32), ("l_part", F32)], part_src, da._HEADER, consts,
+                        ensure_row_contiguous=False)  # as _kernels() builds it
     kj = EmulatedKernel("mlxb_dattn_join", [("o_part", F32), ("m_part", F32), ("l_part", F32)], [("out", F32)],
                         _JOIN, da._HEADER, {"T": "float"})
     dummy = np.zeros((1, 1, 1, D), F32)
@@ -92,7 +93,7 @@ def verify_case(B, hq, hkv, D, n, width, L, seed):
     """A verify step's queries: L per row at the end of each row's keys, left padding, and a hole (a rejected
     draft kept in place) that every later query must skip."""
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, hq, L, D), dtype=F32)
+    q = rng.standard_normal((B, L, hq, D), dtype=F32).transpose(0, 2, 1, 3)  # as the model hands it: a strided view
     kbuf = rng.standard_normal((B, hkv, width, D), dtype=F32)
     vbuf = rng.standard_normal((B, hkv, width, D), dtype=F32)
     k, v = kbuf[:, :, :n], vbuf[:, :, :n]
@@ -259,3 +260,17 @@ def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monk
     monkeypatch.setattr(da, "fused_decode", broken)
     with pytest.raises(ValueError, match="failed on this device.*--kv-attention mlx-lm"):
         da.set_enabled(True)
+
+
+def test_queries_read_as_contiguous_fail():
+    """Planted: the queries indexed as a contiguous [B, Hq, L, D] array, while the model hands a transposed view."""
+    old = """    qs[i] = static_cast<float>(q[(int64_t)b * q_strides[0] + (int64_t)(h * G + g) * q_strides[1]
+                                 + (int64_t)j * q_strides[2] + (int64_t)d * q_strides[3]]) """
+    planted = da._PART.replace(old, "    qs[i] = static_cast<float>(q[(((int64_t)b * Hkv + h) * G * L + g * L + j) * D + d]) ")
+    assert planted != da._PART
+    q, k, v, mask = verify_case(2, 8, 2, 64, 90, 96, 4, seed=8)
+    assert not q.flags["C_CONTIGUOUS"]
+    right, _ = emulated(da._PART, q, k, v, 64 ** -0.5, mask)
+    assert np.abs(right - mlx_attention(q, k, v, 64 ** -0.5, mask)).max() < 1e-5
+    wrong, _ = emulated(planted, q, k, v, 64 ** -0.5, mask)
+    assert np.abs(wrong - right).max() > 1e-2
