@@ -9,6 +9,10 @@
 #   carry .whl/f:  bash .whl/f/stash.sh
 #   carry .whl/d:  bash .whl/d/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
+# With reports/ moved out of the tree first (the rest of the tree is ~6 MB; `mv reports /tmp/hold-reports`, and back
+# after), two calls carry it all (~51 and ~57 MB), which matters when a machine stays lent for minutes only:
+#   carry .whl/a .whl/e .whl/c:  bash .whl/a/stash.sh && bash .whl/e/stash.sh && bash .whl/c/stash.sh
+#   carry .whl/f .whl/d .whl/b:  bash .whl/f/stash.sh && bash .whl/d/stash.sh && source .whl/b/install.sh && <command>
 # Targets that start `mlxb serve` (bench load) need the server's wheels, which the device lacks; name them to
 # prepare.sh as extras (stop 39 also carried fastapi and pydantic, which mlxb does not import; with them .whl/b
 # plus the tree went over 64 MiB at stop 40, so leave them out):
