@@ -267,7 +267,7 @@ def engine(
     finally:
         if srv is not None:
             srv.stop()
-    res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
+    res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype, "kv_attention": kv_attention,
                      "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")
     for c in ("metric", "B", "ours (median)", "mlx-lm (median)", "ratio min", "ratio median", "ratio max"):
