@@ -39,9 +39,11 @@ def emulated_fused(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("share_min", [pytest.param(None, marks=pytest.mark.full), 64])
-def test_fused_decode_attention_gives_the_same_tokens(share_min, tiny_models, emulated_fused):
-    model, tok, _, _ = tiny_models("tiny-llama")
+@pytest.mark.parametrize("name,share_min", [pytest.param("tiny-llama", None, marks=pytest.mark.full), ("tiny-llama", 64),
+                                            pytest.param("tiny-gemma3", None, marks=pytest.mark.full)])
+def test_fused_decode_attention_gives_the_same_tokens(name, share_min, tiny_models, emulated_fused):
+    """tiny-gemma3: its sliding-window layers hand over a rotating buffer with its own mask."""
+    model, tok, _, _ = tiny_models(name)
     ps = _fleet(n=3, prefix=160, seed=3)
     da._ON = False
     ref, ref_caps, _, _ = _serve(model, tok, ps, share_min, max_tokens=8, delays=DELAYS)
