@@ -106,7 +106,8 @@ def verify_case(B, hq, hkv, D, n, width, L, seed):
 
 
 @pytest.mark.parametrize("B,hq,hkv,D,n,width,L", [(2, 8, 2, 128, 200, 256, 5), pytest.param(3, 4, 4, 64, 70, 96, 2, marks=F),
-                                                  pytest.param(1, 8, 1, 64, 150, 150, 4, marks=F), (2, 8, 2, 32, 300, 320, 8)])
+                                                  pytest.param(1, 8, 1, 64, 150, 150, 4, marks=F),
+                                                  pytest.param(2, 8, 2, 32, 300, 320, 8, marks=F)])
 def test_several_queries_per_row_match_mlx_attention(B, hq, hkv, D, n, width, L):
     q, k, v, mask = verify_case(B, hq, hkv, D, n, width, L, seed=n + L)
     got, _ = emulated(da._PART, q, k, v, D ** -0.5, mask)
