@@ -266,7 +266,9 @@ def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, b
         pk, pv, share = prefix
         p = pk.shape[2]
     flags = share is not None
-    return [q, k, v, m2, pk, pv, share if flags else _DUMMY["bool"]], has_mask, causal, flags, p
+    # every input is handed over as it lies (ensure_row_contiguous=False): q, k, v and the prefix are read through
+    # their strides, the mask is flattened above, and the share flags are made contiguous here
+    return [q, k, v, m2, pk, pv, mx.contiguous(share) if flags else _DUMMY["bool"]], has_mask, causal, flags, p
 
 
 def _flat_mask(mask, B: int, L: int, n: int):
