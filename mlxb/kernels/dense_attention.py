@@ -268,18 +268,22 @@ def kernel_inputs(q, k, v, mask, prefix: Optional[tuple]) -> tuple[list, bool, b
     flags = share is not None
     # every input is handed over as it lies (ensure_row_contiguous=False): q, k, v and the prefix are read through
     # their strides, the mask is flattened above, and the share flags are made contiguous here
-    return [q, k, v, m2, pk, pv, mx.contiguous(share) if flags else _DUMMY["bool"]], has_mask, causal, flags, p
+    return [q, k, v, m2, pk, pv, _once("share", share, mx.contiguous) if flags else _DUMMY["bool"]], has_mask, causal, flags, p
+
+
+def _once(name: str, a, make, shape: tuple = ()):
+    """``make(a)``, made once for the same array object and ``shape`` (every layer of a forward is handed the same
+    one); only the latest is kept."""
+    last = _DUMMY.get(name)
+    if last is None or last[0] is not a or last[1] != shape:
+        last = _DUMMY[name] = (a, shape, make(a))
+    return last[2]
 
 
 def _flat_mask(mask, B: int, L: int, n: int):
     """The mask as the kernel reads it, [B, L, n] contiguous: made once per forward (every layer of a model is
     handed the same mask array), not once per layer."""
-    last = _DUMMY.get("mask")
-    if last is not None and last[0] is mask and last[1] == (B, L, n):
-        return last[2]
-    m2 = mx.contiguous(mx.broadcast_to(mask, (B, 1, L, n)).reshape(B, L, n))
-    _DUMMY["mask"] = (mask, (B, L, n), m2)
-    return m2
+    return _once("mask", mask, lambda m: mx.contiguous(mx.broadcast_to(m, (B, 1, L, n)).reshape(B, L, n)), (B, L, n))
 
 
 def fused_decode(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = None):
