@@ -39,7 +39,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.kernels import cuda_gpu
-from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, chunk_for
+from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, WRITE_PARTS, chunk_for
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of the warp: a lane per 32nd dim when scoring
 MAX_GROUP = 8  # query heads per KV head
@@ -164,15 +164,7 @@ _PART = r"""
       for (int x = 0; x < DT; ++x) red[(j * R + r) * D + dl + x * TPS] = acc[r][x];
   }
   __syncthreads();
-  for (int i = t; i < R * D; i += NT) {
-    float s = 0.f;
-    for (int jj = 0; jj < J; ++jj) s += red[jj * R * D + i];
-    o_part[((hq0 + i / D) * NC + c) * D + i % D] = s;
-  }
-  if (t < R) {
-    m_part[(hq0 + t) * NC + c] = mstat[t];
-    l_part[(hq0 + t) * NC + c] = lstat[t];
-  }
+""" + WRITE_PARTS + r"""
 """
 
 INPUTS = ["q", "keys", "values", "mask", "pkeys", "pvalues", "share"]

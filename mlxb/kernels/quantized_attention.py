@@ -34,7 +34,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.kernels import quantized_paths, split_read
-from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, chunk_for
+from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, WRITE_PARTS, chunk_for
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 from mlxb.kernels.split_read import split_attention, split_parts
 
@@ -224,16 +224,7 @@ _PART = r"""
 #pragma unroll
     for (int e = 0; e < E; ++e) red[(j * R + r) * D + wv * E + e] = acc[r][e];
   __syncthreads();
-  for (int i = t; i < R * D; i += NT) {
-    float s = 0.f;
-    for (int jj = 0; jj < J; ++jj) s += red[jj * R * D + i];
-    const int r = i / D, d = i % D;
-    o_part[((hq0 + r) * NC + c) * D + d] = s;
-  }
-  if (t < R) {
-    m_part[(hq0 + t) * NC + c] = mstat[t];
-    l_part[(hq0 + t) * NC + c] = lstat[t];
-  }
+""" + WRITE_PARTS + r"""
 """
 
 NT = 128

@@ -31,6 +31,21 @@ CHUNK_STATS = r"""
 
 """
 
+# The block's outputs: query row r's partial sum (the value pass's J key slots added up from red[J][R][D]), max and
+# exp-sum for chunk c, at row hq0 + r of the (row, query) rows the join reads.
+WRITE_PARTS = r"""
+  for (int i = t; i < R * D; i += NT) {
+    float s = 0.f;
+    for (int jj = 0; jj < J; ++jj) s += red[jj * R * D + i];
+    const int r = i / D, d = i % D;
+    o_part[((hq0 + r) * NC + c) * D + d] = s;
+  }
+  if (t < R) {
+    m_part[(hq0 + t) * NC + c] = mstat[t];
+    l_part[(hq0 + t) * NC + c] = lstat[t];
+  }
+"""
+
 JOIN = r"""
   const int bh = blockIdx.x, d = threadIdx.x;
   const int NC = m_part_shape[2];
