@@ -147,6 +147,8 @@ class Runner(Retire, Decode):
         if self.lora is not None:
             slots = [r.req.adapter for r in rows]
             self.lora.set(slots[1:] + slots[:1] if "lora_shift" in self.faults else slots)  # planted: shifted by one
+        if not dense_attention._ON:  # the common case: no context manager on the decode step
+            return self.model(x, cache=cache)
         with dense_attention.ours():  # --kv-attention fused: this forward's decode reads may take mlxb's kernel
             return self.model(x, cache=cache)
 
