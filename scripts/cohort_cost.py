@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import tempfile
 import time
 from collections import defaultdict
@@ -33,6 +34,7 @@ import numpy as np
 from mlxb.engine.build import build_prompt_cache, choose_attention_kernels
 from mlxb.engine.engine import Engine
 from mlxb.engine.stream import OutputStream
+from mlxb.kernels.quantized_attention import set_kv_attention
 from mlxb.models import load_model
 from mlxb.request import Request
 
@@ -85,6 +87,32 @@ class _Timed:
         return getattr(self._model, name)
 
 
+def _time_attention():
+    """Attention inside each forward, timed apart (its inputs evaluated first, so the projections stay in the
+    forward's share): ``attention(L=1)`` for single-query steps, ``attention(L>1)`` for prefill and verify."""
+    import sys
+
+    import mlx_lm.models.base as base
+
+    original = base.scaled_dot_product_attention
+
+    def wrapper(queries, keys, values, *a, **kw):
+        mask = kw.get("mask", a[2] if len(a) > 2 else None)
+        mx.eval([x for x in (queries, keys, values, mask) if isinstance(x, mx.array)])
+        mx.synchronize()
+        t0 = time.perf_counter()
+        out = original(queries, keys, values, *a, **kw)
+        mx.eval(out)
+        mx.synchronize()
+        SPENT["attention(L=1)" if queries.shape[2] == 1 else "attention(L>1)"] += time.perf_counter() - t0
+        return out
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("mlx_lm.models.") and \
+                getattr(mod, "scaled_dot_product_attention", None) is original:
+            mod.scaled_dot_product_attention = wrapper
+
+
 def instrument(engine):
     from mlx_lm.models import cache as C
 
@@ -113,6 +141,7 @@ def instrument(engine):
         setattr(R.Runner, name, timed(name, getattr(R.Runner, name)))
     mx.clear_cache = timed("clear_cache", mx.clear_cache)
     engine.runner.model = _Timed(engine.runner.model)
+    _time_attention()
     engine.reuse.seed = timed("seed", engine.reuse.seed)
     engine.reuse.boundary_snapshot = timed("boundary_snapshot", engine.reuse.boundary_snapshot)
     engine.reuse.put_finished = timed("put_finished", engine.reuse.put_finished)
@@ -130,8 +159,11 @@ def main():
     ap.add_argument("--history", type=int, default=400)
     ap.add_argument("--running", type=int, default=16)
     ap.add_argument("--share-min", type=int, default=None)
+    ap.add_argument("--kv-attention", default=os.environ.get("MLXB_KV_ATTENTION", "mlx-lm"),
+                    help="mlx-lm or fused (CUDA: mlxb's decode-attention kernel, as `mlxb serve --kv-attention`)")
     a = ap.parse_args()
     attention = choose_attention_kernels(None)
+    set_kv_attention(a.kv_attention)
     model, tok, _, _ = load_model(a.model)
     vocab = model.args.vocab_size
     eng = Engine(model, tok, max_batch=128, prefill_chunk=2048, share_min=a.share_min)
@@ -144,7 +176,7 @@ def main():
     results = turns(eng, a, vocab, rng) if a.mode == "turn" else bursts(eng, a, vocab, rng)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"attention": attention, "device": str(mx.default_device()), "mode": a.mode,
+            json.dump({"attention": attention, "kv_attention": a.kv_attention, "device": str(mx.default_device()), "mode": a.mode,
                        "share_min": a.share_min, "rounds": results}, f, indent=1)
 
 
