@@ -131,18 +131,20 @@ def _log_progress_class():
 KV_ATTENTION_HELP = ("How decode attention reads the batch's KV: 'mlx-lm' (MLX's attention, and mlx-lm's two quantized "
                      "matmuls under --kv-bits; exact against mlx-lm) or 'fused' (mlxb's split-key CUDA kernels: the "
                      "packed cache read in place under --kv-bits, and masked full-precision batches and shared "
-                     "prefixes in one pass; CUDA only, not bit-equal to mlx-lm; see docs/cuda.md). Default: "
-                     "$MLXB_KV_ATTENTION, else mlx-lm.")
-KV_ATTENTION_DEFAULT = os.environ.get("MLXB_KV_ATTENTION", "mlx-lm")
+                     "prefixes in one pass; CUDA only, not bit-equal to mlx-lm; see docs/cuda.md) or 'auto' "
+                     "(fused on a CUDA device whose start-up self-checks pass, else mlx-lm: Metal and CPU always "
+                     "read with mlx-lm). Default: $MLXB_KV_ATTENTION, else auto.")
+KV_ATTENTION_DEFAULT = os.environ.get("MLXB_KV_ATTENTION", "auto")
 
 
-def apply_kv_attention(mode: str) -> None:
-    """Select the decode attention read; a bad mode or backend is a CLI error naming the fix."""
+def apply_kv_attention(mode: str) -> str:
+    """Select the decode attention read; a bad mode or backend is a CLI error naming the fix. Returns the mode
+    in effect ('auto' resolved)."""
     from mlxb.errors import ValidationError
     from mlxb.kernels.quantized_attention import set_kv_attention
 
     try:
-        set_kv_attention(mode)
+        return set_kv_attention(mode)
     except ValueError as e:
         raise ValidationError(str(e), param="kv_attention") from None
 

@@ -209,7 +209,7 @@ def engine(
     kv_attention: str = typer.Option(KV_ATTENTION_DEFAULT, "--kv-attention", help=KV_ATTENTION_HELP + " Our engine's arms only; mlx-lm's keep MLX's read."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
-    apply_kv_attention(kv_attention)
+    kv_attention = apply_kv_attention(kv_attention)  # 'auto' resolved: the label says what ran
     if adapters and tp > 1:
         from mlxb.errors import ValidationError
 

@@ -163,7 +163,7 @@ def kv(
     from mlxb.models import load_model
 
     bits, bs = _ints(kv_bits, "--kv-bits", "8,4"), _ints(batches, "--batches", "8,32")
-    apply_kv_attention(kv_attention)
+    kv_attention = apply_kv_attention(kv_attention)  # 'auto' resolved
     m, tok, spec, path = load_model(model, dtype)
     with status("benchmarking ...") as st:
         try:

@@ -84,8 +84,10 @@ def parity(
     from mlxb.doctor import machine_key
     from mlxb.engine.runner import FAULTS
     from mlxb.errors import ValidationError
+    from mlxb.kernels.quantized_attention import set_kv_attention
     from mlxb.parity.run import build_cases, parity as run_parity, skipped
 
+    set_kv_attention("mlx-lm")  # the protocol compares MLX's read bit for bit, whatever $MLXB_KV_ATTENTION says
     if plant_fault and plant_fault not in FAULTS:
         raise ValidationError(f"--plant-fault {plant_fault!r}: one of {', '.join(FAULTS)}")
     faults = frozenset([plant_fault]) if plant_fault else frozenset()

@@ -74,7 +74,7 @@ def serve(
     from mlxb.server.app import create_app
 
     budget = parse_bytes(kv_budget, "--kv-budget") if kv_budget else None
-    apply_kv_attention(kv_attention)
+    kv_attention = apply_kv_attention(kv_attention)  # 'auto' resolved (CUDA: fused when its self-checks pass)
     lora = parse_adapters(adapters)
     if lora_path is not None and lora_path not in LORA_PATHS:
         raise ValidationError(f"--lora-path {lora_path!r}: use one of {', '.join(LORA_PATHS)}", param="lora_path")
@@ -96,12 +96,17 @@ def serve(
                            prep_threads=prep_threads)
     import mlx.core as mx
 
+    from mlxb.kernels import quantized_attention as qa
+
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
     console.print(f"[bold green]mlxb serve[/] http://{host}:{port}/v1  model={gw.model_name}"
                   f"{' (synthetic, random weights)' if gw.spec.synthetic else ''}  device={mx.default_device()}  "
                   f"mode={gw.engine.mode} (batch {batch})"
                   + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else "")
-                  + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}"))
+                  + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}")
+                  + (f"  kv-attention {kv_attention}" + (f" ({qa.AUTO_NOTE})" if qa.AUTO_NOTE and kv_attention == "fused" else "")))
+    if qa.AUTO_NOTE and "refused" in qa.AUTO_NOTE:
+        console.print(f"[yellow]kv-attention: {qa.AUTO_NOTE}[/]")
     console.print("APIs: /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages (Anthropic), "
                   "/v1/models; /health /stats /metrics")
     if compile_decode or compile_batch:

@@ -20,8 +20,9 @@ This is the split-key pass of ``quantized_attention`` for bf16/fp16/fp32 caches:
 * ``mlxb_qattn_join`` (``quantized_attention``'s): per (row, query head), rescale the chunks' partial sums
   by their maxima and divide by the total, in float32; rounded to the queries' dtype once.
 
-It sums in float32 and in another order than MLX's kernels, so it is not bit-equal to mlx-lm's read: it is
-off unless ``--kv-attention fused`` asks for it, and ``self_check`` compares it with MLX's float32 attention on
+It sums in float32 and in another order than MLX's kernels, so it is not bit-equal to mlx-lm's read (closer
+to float32 attention: measured on an H100, docs/cuda.md): the library keeps MLX's read unless
+``--kv-attention fused`` or the CLI's default ``auto`` on a CUDA device turns it on, and ``self_check`` compares it with MLX's float32 attention on
 the device before any request can reach it. One query token per row (decode), grouped-query ratios up to 8,
 head sizes 32/64/96/128/256, boolean masks as wide as the keys (or none); anything else keeps MLX's path. The
 wrap of ``mx.fast.scaled_dot_product_attention`` is process-wide, but it routes only the forwards the engine builds

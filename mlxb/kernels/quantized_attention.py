@@ -18,8 +18,9 @@ It applies only where the cache hands attention its whole contiguous buffers wit
 wide as them (``whole_buffer_reads``, which is the CUDA case), to one query token per row (decode),
 and to grouped-query ratios up to 8; anything else goes to mlx-lm's path (or the folded read of
 ``quantized_paths`` where mlx-lm's grouped-query read is wrong). It sums in a different order from
-mlx-lm's kernels (and in float32 throughout), so it is not bit-equal to them: it is off unless asked
-for, and ``scripts/kv_fused_check.py`` measures it against float32 attention on the device. It is
+mlx-lm's kernels (and in float32 throughout), so it is not bit-equal to them: the library's default is
+mlx-lm's read; the CLI's default ``auto`` takes this kernel on CUDA only (``set_kv_attention``), and
+``scripts/kv_fused_check.py`` measures it against float32 attention on the device. It is
 selected per call by the cache's return type (``Packed``), so mlx-lm's own caches in the same process
 (the parity oracle) always keep mlx-lm's path.
 """
@@ -38,8 +39,9 @@ from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 from mlxb.kernels.split_read import split_attention, split_parts
 
-MODES = ("mlx-lm", "fused")
+MODES = ("mlx-lm", "fused", "auto")
 _MODE: Optional[str] = None
+AUTO_NOTE: Optional[str] = None  # why 'auto' chose what it chose (the serve start-up line shows it)
 _ROUTE: Optional[bool] = None  # whether batch layers mark their reads for the dispatcher
 _KERNELS: dict = {}
 _NO_MASK = None
@@ -53,11 +55,26 @@ def fused_available() -> bool:
     return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and mx.default_device() == mx.gpu)
 
 
-def set_kv_attention(mode: str) -> None:
-    """Choose how quantized batch layers are read; 'fused' needs the CUDA backend."""
-    global _MODE, _ROUTE
+def set_kv_attention(mode: str) -> str:
+    """Choose how batch layers' decode attention is read; 'fused' needs the CUDA backend and refuses otherwise.
+    'auto' takes 'fused' where the CUDA backend is the default device and the kernels pass their start-up
+    self-checks, else 'mlx-lm' (Metal and CPU always: the kernels are CUDA source). Returns the mode chosen."""
+    global _MODE, _ROUTE, AUTO_NOTE
     if mode not in MODES:
         raise ValueError(f"--kv-attention {mode}: choose one of {', '.join(MODES)}")
+    if mode == "auto":
+        if not fused_available():
+            set_kv_attention("mlx-lm")
+            AUTO_NOTE = "auto: not a CUDA device"
+            return _MODE
+        try:
+            set_kv_attention("fused")
+            AUTO_NOTE = "auto: CUDA, self-checks passed"
+        except ValueError as e:  # a kernel that does not build or disagrees here: MLX's read, and say why
+            set_kv_attention("mlx-lm")
+            AUTO_NOTE = f"auto: the fused kernels were refused on this device ({e})"
+        return _MODE
+    AUTO_NOTE = None
     if mode == "fused":
         if not fused_available():
             raise ValueError("--kv-attention fused needs MLX's CUDA backend (a CUDA GPU as the default "
@@ -70,6 +87,7 @@ def set_kv_attention(mode: str) -> None:
     _MODE, _ROUTE = mode, None
     quantized_paths.reset()
     split_read.reset()
+    return mode
 
 
 def self_check(tol: float = 1e-4) -> float:

@@ -63,7 +63,12 @@ def test_mlxb_serve_with_quantized_kv_and_a_bad_group_size(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         url = wait_healthy(proc, port)
-        assert httpx.get(url + "/stats").json()["engine"]["kv_scheme"] == "kv4g32s0"
+        stats = httpx.get(url + "/stats").json()["engine"]
+        assert stats["kv_scheme"] == "kv4g32s0"
+        # the default --kv-attention auto: CUDA's fused kernels are never taken on another backend
+        import mlx.core as mx
+        if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
+            assert (stats["kv_attention"], stats["kv_attention_auto"]) == ("mlx-lm", "auto: not a CUDA device")
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
                 "structured_outputs": {"choice": ["alpha", "beta"]}}
         for _ in range(2):  # the second one is a prompt-cache hit on packed rows

@@ -173,3 +173,44 @@ def test_the_start_up_self_check_passes_the_kernel_and_refuses_a_broken_one(monk
             qa.set_kv_attention("fused")
     finally:
         qa._MODE, qa._ROUTE, qa.quantized_paths._FOLD = "mlx-lm", None, None
+
+
+def test_auto_takes_the_kernels_only_where_they_pass_and_says_why_not(monkeypatch):
+    """The CLI's default ``--kv-attention auto``: MLX's read off CUDA; on CUDA the fused kernels when both
+    self-checks pass; a kernel refused on the device (planted) leaves MLX's read on, with the reason kept for
+    the start-up line, instead of refusing to start."""
+    planted = qa._PART.replace("const int g = (wv * E) / G;", "const int g = ((wv * E) / G + 1) % NG;")
+
+    def with_source(src):
+        def run(queries, q_keys, q_values, scale, mask, group_size, bits):
+            return mx.array(emulated(src, queries, q_keys, q_values, scale, mask, group_size, bits)[0])
+        return run
+
+    dense = []
+    monkeypatch.setattr(dense_attention, "set_enabled", dense.append)
+    monkeypatch.setattr(qa, "_install", lambda: None)
+    try:
+        monkeypatch.setattr(qa, "fused_available", lambda: False)
+        assert qa.set_kv_attention("auto") == "mlx-lm" == qa.kv_attention()
+        assert "not a CUDA device" in qa.AUTO_NOTE and dense == [False]
+        monkeypatch.setattr(qa, "fused_available", lambda: True)
+        monkeypatch.setattr(qa, "fused_decode", with_source(qa._PART))
+        dense.clear()
+        assert qa.set_kv_attention("auto") == "fused" == qa.kv_attention()
+        assert dense == [True] and "self-checks passed" in qa.AUTO_NOTE
+        monkeypatch.setattr(qa, "fused_decode", with_source(planted))  # the quantized kernel disagrees
+        dense.clear()
+        assert qa.set_kv_attention("auto") == "mlx-lm" == qa.kv_attention()
+        assert dense == [False] and "refused" in qa.AUTO_NOTE and "disagrees" in qa.AUTO_NOTE
+
+        def dense_refuses(on):  # the full-precision kernel's own check fails after the quantized one passed
+            if on:
+                raise ValueError("--kv-attention fused: the kernel disagrees with float32 attention")
+            dense.append(on)
+        monkeypatch.setattr(qa, "fused_decode", with_source(qa._PART))
+        monkeypatch.setattr(dense_attention, "set_enabled", dense_refuses)
+        dense.clear()
+        assert qa.set_kv_attention("auto") == "mlx-lm" and dense == [False] and "refused" in qa.AUTO_NOTE
+        assert qa.set_kv_attention("mlx-lm") == "mlx-lm" and qa.AUTO_NOTE is None
+    finally:
+        qa._MODE, qa._ROUTE, qa.quantized_paths._FOLD, qa.AUTO_NOTE = "mlx-lm", None, None, None
