@@ -9,8 +9,10 @@
 #   carry .whl/f:  bash .whl/f/stash.sh
 #   carry .whl/d:  bash .whl/d/stash.sh
 #   carry .whl/b:  source .whl/b/install.sh && <your command>
-# With reports/ moved out of the tree first (the rest of the tree is ~6 MB; `mv reports /tmp/hold-reports`, and back
-# after), two calls carry it all (~51 and ~57 MB), which matters when a machine stays lent for minutes only:
+# With reports/ and goldens/ moved out of the tree first (the rest of the tracked tree is ~2.5 MB at stop 64; goldens/
+# alone is ~16 MB, and with it the second call below is over 64 MiB: `mkdir -p /tmp/hold && mv reports goldens
+# /tmp/hold/`, and back after; never commit while they are out), two calls carry it all (~48 and ~53 MB), which
+# matters when a machine stays lent for minutes only:
 #   carry .whl/a .whl/e .whl/c:  bash .whl/a/stash.sh && bash .whl/e/stash.sh && bash .whl/c/stash.sh
 #   carry .whl/f .whl/d .whl/b:  bash .whl/f/stash.sh && bash .whl/d/stash.sh && source .whl/b/install.sh && <command>
 # Targets that start `mlxb serve` (bench load) need the server's wheels, which the device lacks; name them to
