@@ -207,6 +207,8 @@ def engine(
     fuse_projections: bool = typer.Option(False, "--fuse-projections", help="Each aggregate arm (B=1 too) also runs our engine with serve's --fuse-projections on the same prompts."),
     served: bool = typer.Option(False, "--served", help="Also start `mlxb serve --no-prompt-cache` on the same folder and send each B=1 prompt there: rows b1_served_* (served over in-process)."),
     kv_attention: str = typer.Option(KV_ATTENTION_DEFAULT, "--kv-attention", help=KV_ATTENTION_HELP + " Our engine's arms only; mlx-lm's keep MLX's read."),
+    prefill_step_size: int = typer.Option(2048, "--prefill-step-size", min=1, help="Our engine: as serve's (the most prompt tokens of joiner prefill between two decode steps)."),
+    prefill_burst: Optional[int] = typer.Option(None, "--prefill-burst", min=1, help="Our engine: as serve's (prompt tokens one idle iteration may prefill; default 8 x --prefill-step-size)."),
 ) -> None:
     """In-process benchmark: our engine vs mlx-lm (stream_generate, BatchGenerator) on the same model."""
     kv_attention = apply_kv_attention(kv_attention)  # 'auto' resolved: the label says what ran
@@ -263,7 +265,8 @@ def engine(
             res = run(m, tok, batches=bs, prompt_len=prompt_len, gen=gen, repeats=repeats, prefill_len=prefill_len,
                       progress=lambda s: st.update(f"benchmarking: {s}"), compile_decode=compile_decode,
                       skinny=skinny_matmul, fused=fuse_projections,
-                      served=(srv.base_url, srv.model_name) if srv else None)
+                      served=(srv.base_url, srv.model_name) if srv else None,
+                      prefill_chunk=prefill_step_size, prefill_burst=prefill_burst)
     finally:
         if srv is not None:
             srv.stop()

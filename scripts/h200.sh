@@ -435,6 +435,15 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
     args="--mode turn --rows ${ROWS:-16,32,16,32} --system ${SYSTEM:-1500} --history ${HISTORY:-400} --own ${OWN:-113} --running ${RUNNING:-16}"
     python3 scripts/cohort_cost.py /var/tmp/$m $args --out "$OUT/turn-copies.json" 2>&1 | grep -v Warning
     MLXB_SHARE_MIN_SAVED=0 python3 scripts/cohort_cost.py /var/tmp/$m $args --share-min 256 --out "$OUT/turn-shared.json" 2>&1 | grep -v Warning ;;
+  engineburst)  # issue 46: B=64 with 1k-token prompts, our prefill budget at serve's default and larger (stop 64: all 64 first
+                # tokens 3.8 s against mlx-lm's 2.1 s, which prefills every prompt in one batch)
+    m=synth-llama-8b
+    [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
+    for step in ${STEPS:-2048 8192}; do echo "== --prefill-step-size $step"
+      timeout ${LIMIT:-200} python3 -m mlxb.commands.main bench engine -m /var/tmp/$m --batches ${BATCHES:-64} \
+        --prompt-len ${PROMPT:-1024} --gen 128 --repeats ${REPEATS:-2} --prefill-step-size $step \
+        --out "$OUT/engine-step$step.json" 2>&1 | grep -v Warning | tail -${TAIL:-12}
+    done ;;
   engine6k)  # issue 46: 32 rows of ~6k-token prompts in process; mlx-lm's BatchGenerator may run out of memory (recorded as failed)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }

@@ -185,7 +185,8 @@ def late_joiner_stall(model, tokenizer, *, chunk: int = 256, chunks: int = 4, vo
 
 def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repeats=3, prefill_len=512,
         progress: Optional[Callable[[str], None]] = None, compile_decode: bool = False, skinny: bool = False,
-        fused: bool = False, served: Optional[tuple[str, str]] = None) -> dict:
+        fused: bool = False, served: Optional[tuple[str, str]] = None, prefill_chunk: int = 2048,
+        prefill_burst: Optional[int] = None) -> dict:
     """``fused``: each aggregate arm (B=1 included) also runs our engine with ``--fuse-projections`` on the same
     prompts, right after the plain one (rows ``aggregate_fused[_ragged]_over_plain``).
     ``skinny``: each aggregate arm at B >= ``MLXB_SKINNY_MIN_ROWS`` (2 unless set) also runs our engine with
@@ -197,9 +198,11 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
     and the aggregate arms (``aggregate_compiled_over_plain[_ragged]``).
     ``served``: (base URL, model id) of a running ``mlxb serve`` on the same folder; each B=1 repeat also
     sends its prompt there, first and last (served, ours, peer, peer, ours[, skinny, skinny], served), and
-    rows ``b1_served_*`` give served over our in-process engine (``mlxb.bench.served``)."""
+    rows ``b1_served_*`` give served over our in-process engine (``mlxb.bench.served``).
+    ``prefill_chunk`` / ``prefill_burst``: our engine's prefill budget (serve's ``--prefill-step-size`` /
+    ``--prefill-burst``); mlx-lm's BatchGenerator prefills each arm's prompts as one batch."""
     vocab = int(getattr(model.args, "vocab_size", 8192))
-    engine = Engine(model, tokenizer, max_batch=max(batches))
+    engine = Engine(model, tokenizer, max_batch=max(batches), prefill_chunk=prefill_chunk, prefill_burst=prefill_burst)
     warm_up(engine)
     engine.start()
     comp = None
@@ -330,7 +333,8 @@ def run(model, tokenizer, *, batches=(1, 2, 4, 8), prompt_len=64, gen=128, repea
     return {"rows": rows, "summary": summary, "peak_memory_bytes": peak, "late_joiner_stall": stall,
             "config": {"batches": list(batches), "prompt_len": prompt_len, "gen": gen, "repeats": repeats,
                        "prefill_len": prefill_len, "compile_decode": compile_decode, "skinny_matmul": skinny,
-                       "fuse_projections": fused, "served": served is not None}}
+                       "fuse_projections": fused, "served": served is not None,
+                       "prefill_step_size": prefill_chunk, "prefill_burst": engine.scheduler.prefill_burst}}
 
 
 def summarize(rows: list[dict]) -> list[dict]:

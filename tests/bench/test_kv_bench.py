@@ -36,3 +36,27 @@ def test_a_peer_arm_that_fails_is_a_recorded_result_not_a_crash():
     assert by[8]["ratio_median"] == 2.0 and "peer_failed" not in by[8]
     only_failed = summarize(rows[:1])
     assert only_failed[0]["ratio_median"] is None and only_failed[0]["peer_median"] is None
+
+
+def test_bench_engine_runs_our_engine_at_the_prefill_budget_it_is_given(tiny_models, monkeypatch):
+    """`bench engine --prefill-step-size/--prefill-burst`: our engine is built with that budget (serve's flags), the
+    result's config records it, and a prompt longer than the step is prefilled over several iterations."""
+    from mlxb.bench import engine as bench_engine
+
+    made = []
+
+    class Recorded(bench_engine.Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(bench_engine, "Engine", Recorded)
+    model, tok, _, _ = tiny_models("tiny-llama")
+    res = bench_engine.run(model, tok, batches=(2,), prompt_len=40, gen=4, repeats=1, prefill_len=32,
+                           prefill_chunk=16, prefill_burst=24)
+    ours = made[0]
+    assert (ours.scheduler.prefill_chunk, ours.scheduler.prefill_burst) == (16, 24)
+    assert res["config"]["prefill_step_size"] == 16 and res["config"]["prefill_burst"] == 24
+    assert {r["metric"] for r in res["rows"]} >= {"aggregate_tps", "b1_decode_tps"}
+    default = bench_engine.run(model, tok, batches=(2,), prompt_len=8, gen=2, repeats=1, prefill_len=8)
+    assert default["config"]["prefill_step_size"] == 2048 and default["config"]["prefill_burst"] == 8 * 2048
