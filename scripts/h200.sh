@@ -416,6 +416,7 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
            bash "$0" agentloop ;;
     esac ;;
   agentloop)  # issue 46: C agents x K turns with tools, mlxb serve vs mlx_lm.server, fresh text per run, mlxb's trace
+              # (MLXB_TRACE_SYNC=1: the cohort pieces in the trace attribute device time; the ratios then run a little slow)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     here=$PWD; mkdir -p /tmp/bench && cd /tmp/bench

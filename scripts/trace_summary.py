@@ -13,6 +13,7 @@ the device work queued before it.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -79,6 +80,10 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "cohort_padded_tokens": pcts(padded),
         "cohort_padding_ratio": round(sum(padded) / sum(real), 3) if sum(real) else None,
         "cohort_ms_per_1k_padded": round(1000 * sum(cohort_ms) / sum(padded), 1) if sum(padded) else None,
+        # those iterations' cohort phase by piece (the runner's cohort_* timings; device-attributed only when
+        # the server ran with MLXB_TRACE_SYNC=1, else host wall time)
+        "cohort_pieces_ms": {k: pcts(d["step"].get(k, 0.0) for d in one)
+                             for k in sorted({k for d in one for k in d.get("step", {}) if k.startswith("cohort_")})},
         # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
         "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
         "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),
@@ -91,7 +96,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--since", type=float, default=0.0, help="Only what happened this many seconds after the engine started.")
     ap.add_argument("--json", help="Also write the summary here.")
     a = ap.parse_args(argv)
-    lines = [json.loads(ln) for ln in open(a.trace) if ln.strip()]
+    opener = gzip.open if a.trace.endswith(".gz") else open  # traces are kept gzipped under reports/
+    with opener(a.trace, "rt") as f:
+        lines = [json.loads(ln) for ln in f if ln.strip()]
     s = summarize(lines, a.since)
     for k, v in s.items():
         if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):

@@ -301,7 +301,8 @@ class Engine:
                 self.trace.record(out, t0, len(self.runner.rows), len(self.scheduler.waiting),
                                   grammar=sum(r.sampler.constraint is not None for r in self.runner.rows),
                                   step={k[:-2]: round(1000 * (v - before.get(k, 0.0)), 2)
-                                        for k, v in self.runner.timing.items() if k.endswith("_s")})
+                                        for k, v in self.runner.timing.items() if k.endswith("_s")
+                                        and (not k.startswith("cohort_") or v != before.get(k, 0.0))})
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made

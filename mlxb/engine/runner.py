@@ -22,6 +22,8 @@ left-padded (host-side token counts reach the buffer index); see ``AlignedBatchK
 
 from __future__ import annotations
 
+import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -47,6 +49,12 @@ from mlxb.spec.ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
 
 # test-only planted bugs for the parity negative controls; never reachable from the server
+# MLXB_TRACE_SYNC=1 (diagnostic, with MLXB_TRACE): a cohort's pieces (merge, forward, snapshots, token-0 step, emit)
+# are each evaluated and the device synchronized before the next, so their ``cohort_*`` step timings attribute the
+# device's time; without it they are host wall times, and on an asynchronous device the merge's copies land in the
+# forward's share
+TRACE_SYNC = os.environ.get("MLXB_TRACE_SYNC") == "1"
+
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
           "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one", "compiled_mask_late",
           "shared_offset", "shared_merge", "live_seed_position")
@@ -241,6 +249,16 @@ class Runner(Retire, Decode):
         every held-back last token in one [n, 1] step, and sample each row's token 0. Returns the
         cohort's batch caches and emits. ``snapshot(i, layers)`` receives row ``i``'s single-row caches
         (mlx-lm's ``extract``) after the suffixes ran, before the held-back tokens: ``len(prompt) - 1``."""
+        clock = [time.perf_counter()]
+
+        def piece(name: str, arrays=()) -> None:  # the step timing ``cohort_<name>`` (see TRACE_SYNC)
+            if TRACE_SYNC:
+                mx.eval(arrays)
+                mx.synchronize()
+            now = time.perf_counter()
+            self.timing[f"cohort_{name}_s"] += now - clock[0]
+            clock[0] = now
+
         starts = starts or [0] * len(rows)
         bodies = [r.req.prompt_ids[s:-1] for r, s in zip(rows, starts)]
         if "double_last_token" in self.faults:
@@ -256,6 +274,7 @@ class Runner(Retire, Decode):
             caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows], room=room) for i, k in enumerate(self.kinds)]
         for r, s, n in zip(rows, starts, lengths):
             r.base = s + n + 1 - self.num_steps  # cached prefix, body and the held-back last token
+        piece("merge", [c.state for c in caches])
         width = max(lengths)
         if width > 0:
             pad = [width - n for n in lengths]
@@ -267,11 +286,13 @@ class Runner(Retire, Decode):
                 for c in caches:
                     c.finalize()
             mx.eval([c.state for c in caches])
+        piece("forward")
         if self.kv is not None and min(s + n for s, n in zip(starts, lengths)) >= self.kv.start:
             caches = self._quantized(caches)  # every body reached the start: convert before the held-back step
         if snapshot is not None:
             for i in range(len(rows)):
                 snapshot(i, [ROW_OPS[k].extract(c, i) for k, c in zip(self.kinds, caches)])
+        piece("snapshot")
         last = mx.array([r.req.prompt_ids[-1] for r in rows], dtype=mx.uint32)
         logits = self.fwd(rows, last[:, None], caches)[:, -1, :]
         geo = None
@@ -283,9 +304,11 @@ class Runner(Retire, Decode):
         for r in rows:
             r.solo = []
         mx.eval(toks_arr, lps)  # one sync for the whole cohort
+        piece("token0")
         values = toks_arr.tolist()
         out = [self._emit(r, values[i], lps[i], geo[i] if geo else None) for i, r in enumerate(rows)]
         trim_allocator_cache()
+        piece("emit")
         return caches, out
 
     def join_cohort(self, caches: list, rows: list[Row], tokens: list[int], keep: list[int]) -> None:

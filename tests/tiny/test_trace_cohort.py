@@ -1,0 +1,51 @@
+"""``MLXB_TRACE``: an iteration that prefills a cohort records its pieces (``cohort_merge``, ``_forward``,
+``_snapshot``, ``_token0``, ``_emit`` in the line's ``step``), ``scripts/trace_summary.py`` reports them, and
+``MLXB_TRACE_SYNC=1`` (which evaluates each piece before the next) leaves every token as it was."""
+
+import json
+
+import numpy as np
+
+from mlxb.engine import runner as runner_mod
+from mlxb.engine.engine import Engine
+from mlxb.engine.stream import OutputStream
+from mlxb.engine.trace import IterationTrace
+from mlxb.request import Request
+from scripts.trace_summary import summarize
+
+PIECES = {"cohort_merge", "cohort_forward", "cohort_snapshot", "cohort_token0", "cohort_emit"}
+
+
+def _run(model, tok, turns, path):
+    eng = Engine(model, tok, max_batch=8, prefill_chunk=1024)
+    eng.trace = IterationTrace(str(path))
+    streams = {f"t{i}": OutputStream(f"t{i}") for i in range(len(turns))}
+    for i, p in enumerate(turns):
+        eng.accept(Request(f"t{i}", p, 4, ignore_eos=True), streams[f"t{i}"])
+    while any(k in eng._live for k in streams):
+        eng.iterate()
+    eng.trace.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    return [[o.token for o in streams[f"t{i}"] if o.token is not None] for i in range(len(turns))], lines
+
+
+def test_a_cohort_iteration_traces_its_pieces_and_sync_keeps_the_tokens(tiny_models, tmp_path, monkeypatch):
+    model, tok, _, _ = tiny_models("tiny-llama")
+    rng = np.random.default_rng(5)
+    turns = [rng.integers(3, 8000, size=n).tolist() for n in (30, 33, 31, 35)]
+    plain, lines = _run(model, tok, turns, tmp_path / "plain.jsonl")
+    cohort = [d for d in lines if "ms" in d and len(d["prefills"]) >= 2]
+    assert len(cohort) == 1 and [n for n, _ in cohort[0]["phases"]].count("cohort") == 1
+    step = cohort[0]["step"]
+    assert PIECES <= set(step) and all(step[k] >= 0 for k in PIECES)
+    # the pieces are the runner's cohort phase, cut up: together no longer than it (host wall time)
+    assert sum(step[k] for k in PIECES) <= dict(cohort[0]["phases"])["cohort"] + 1.0
+    decode_only = [d for d in lines if "ms" in d and not d["prefills"]]
+    assert decode_only and not any(k in d["step"] for d in decode_only for k in PIECES)  # only where a cohort ran
+    summary = summarize(lines)
+    assert set(summary["cohort_pieces_ms"]) == PIECES and summary["cohort_pieces_ms"]["cohort_forward"]["n"] == 1
+
+    monkeypatch.setattr(runner_mod, "TRACE_SYNC", True)
+    synced, lines = _run(model, tok, turns, tmp_path / "sync.jsonl")
+    assert synced == plain
+    assert PIECES <= set(next(d for d in lines if "ms" in d and len(d["prefills"]) >= 2)["step"])
