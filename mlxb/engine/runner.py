@@ -251,9 +251,9 @@ class Runner(Retire, Decode):
         (mlx-lm's ``extract``) after the suffixes ran, before the held-back tokens: ``len(prompt) - 1``."""
         clock = [time.perf_counter()]
 
-        def piece(name: str, arrays=()) -> None:  # the step timing ``cohort_<name>`` (see TRACE_SYNC)
+        def piece(name: str, arrays: Callable[[], list] = list) -> None:  # the step timing cohort_<name> (TRACE_SYNC)
             if TRACE_SYNC:
-                mx.eval(arrays)
+                mx.eval(arrays())
                 mx.synchronize()
             now = time.perf_counter()
             self.timing[f"cohort_{name}_s"] += now - clock[0]
@@ -274,7 +274,7 @@ class Runner(Retire, Decode):
             caches = [ROW_OPS[k].to_batch([r.solo[i] for r in rows], room=room) for i, k in enumerate(self.kinds)]
         for r, s, n in zip(rows, starts, lengths):
             r.base = s + n + 1 - self.num_steps  # cached prefix, body and the held-back last token
-        piece("merge", [c.state for c in caches])
+        piece("merge", lambda: [c.state for c in caches])
         width = max(lengths)
         if width > 0:
             pad = [width - n for n in lengths]
