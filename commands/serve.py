@@ -96,7 +96,7 @@ def serve(
                            prep_threads=prep_threads)
     import mlx.core as mx
 
-    from mlxb.kernels import quantized_attention as qa
+    from mlxb.kernels.quantized_attention import kv_attention_note
 
     app = create_app(gw, api_key=api_key, max_body_bytes=max_body, served_names={str(gw.path)})
     console.print(f"[bold green]mlxb serve[/] http://{host}:{port}/v1  model={gw.model_name}"
@@ -104,9 +104,10 @@ def serve(
                   f"mode={gw.engine.mode} (batch {batch})"
                   + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else "")
                   + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}")
-                  + (f"  kv-attention {kv_attention}" + (f" ({qa.AUTO_NOTE})" if qa.AUTO_NOTE and kv_attention == "fused" else "")))
-    if qa.AUTO_NOTE and "refused" in qa.AUTO_NOTE:
-        console.print(f"[yellow]kv-attention: {qa.AUTO_NOTE}[/]")
+                  + f"  kv-attention {kv_attention}")
+    note = kv_attention_note()
+    if note and (kv_attention == "fused" or "refused" in note):  # CUDA: what auto chose, and why
+        console.print(f"{'[yellow]' if 'refused' in note else ''}kv-attention {note}")
     console.print("APIs: /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages (Anthropic), "
                   "/v1/models; /health /stats /metrics")
     if compile_decode or compile_batch:

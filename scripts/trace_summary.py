@@ -80,10 +80,10 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "cohort_padded_tokens": pcts(padded),
         "cohort_padding_ratio": round(sum(padded) / sum(real), 3) if sum(real) else None,
         "cohort_ms_per_1k_padded": round(1000 * sum(cohort_ms) / sum(padded), 1) if sum(padded) else None,
-        # those iterations' cohort phase by piece (the runner's cohort_* timings; device-attributed only when
-        # the server ran with MLXB_TRACE_SYNC=1, else host wall time)
-        "cohort_pieces_ms": {k: pcts(d["step"].get(k, 0.0) for d in one)
-                             for k in sorted({k for d in one for k in d.get("step", {}) if k.startswith("cohort_")})},
+        # those iterations' cohort phase by piece (the line's ``pieces``; device-attributed only when the server
+        # ran with MLXB_TRACE_SYNC=1, else host wall time)
+        "cohort_pieces_ms": {k: pcts(dict(d.get("pieces", [])).get(k, 0.0) for d in one)
+                             for k in sorted({k for d in one for k, _ in d.get("pieces", [])})},
         # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
         "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
         "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),

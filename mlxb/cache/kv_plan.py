@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from mlxb.cache.quantized_read import kv_reads, whole_buffer_reads
-from mlxb.kernels import quantized_attention
-from mlxb.kernels.quantized_attention import kv_attention
+from mlxb.kernels.quantized_attention import kv_attention, kv_attention_note
 
 
 class KVScheme:
@@ -158,12 +157,12 @@ def kv_stats(plan: Optional[KVPlan]) -> dict:
     ``--kv-attention auto`` chose what it did (None when a mode was named)."""
     if plan is None:
         return {"kv_scheme": "none", "kv_reads": None, "kv_attention": kv_attention(),
-                "kv_attention_auto": quantized_attention.AUTO_NOTE, "kv_gqa_read": None, "kv_split_streams": None}
+                "kv_attention_auto": kv_attention_note(), "kv_gqa_read": None, "kv_split_streams": None}
     from mlxb.kernels import quantized_paths
     from mlxb.kernels.split_read import split_parts
 
     folded = quantized_paths._FOLD
     return {"kv_scheme": plan.name, "kv_reads": kv_reads(), "kv_attention": kv_attention(),
-            "kv_attention_auto": quantized_attention.AUTO_NOTE,
+            "kv_attention_auto": kv_attention_note(),
             "kv_gqa_read": None if folded is None else ("folded" if folded else "mlx-lm"),
             "kv_split_streams": split_parts()}

@@ -292,6 +292,7 @@ class Engine:
             t0 = time.perf_counter()
             self.trace.begin()
             before = dict(self.runner.timing) if self.trace.on else None
+            self.runner.pieces = [] if self.trace.on else None
             with self.device_lock:
                 try:
                     self._iteration(out)
@@ -301,8 +302,8 @@ class Engine:
                 self.trace.record(out, t0, len(self.runner.rows), len(self.scheduler.waiting),
                                   grammar=sum(r.sampler.constraint is not None for r in self.runner.rows),
                                   step={k[:-2]: round(1000 * (v - before.get(k, 0.0)), 2)
-                                        for k, v in self.runner.timing.items() if k.endswith("_s")
-                                        and (not k.startswith("cohort_") or v != before.get(k, 0.0))})
+                                        for k, v in self.runner.timing.items() if k.endswith("_s")},
+                                  pieces=self.runner.pieces)
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made

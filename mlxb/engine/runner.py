@@ -48,13 +48,13 @@ from mlxb.spec.verify import RowSpec, StepCost, row_spec, setup
 from mlxb.spec.ahead import cancel as cancel_ahead
 from mlxb.request import Request, TokenLogprob
 
-# test-only planted bugs for the parity negative controls; never reachable from the server
 # MLXB_TRACE_SYNC=1 (diagnostic, with MLXB_TRACE): a cohort's pieces (merge, forward, snapshots, token-0 step, emit)
-# are each evaluated and the device synchronized before the next, so their ``cohort_*`` step timings attribute the
-# device's time; without it they are host wall times, and on an asynchronous device the merge's copies land in the
-# forward's share
+# are each evaluated and the device synchronized before the next, so the trace's ``pieces`` attribute the device's
+# time; without it they are host wall times, and on an asynchronous device the merge's copies land in the forward's
+# share
 TRACE_SYNC = os.environ.get("MLXB_TRACE_SYNC") == "1"
 
+# test-only planted bugs for the parity negative controls; never reachable from the server
 FAULTS = ("scalar_rope", "no_filter_trim", "double_last_token", "always_aligned", "prefix_off_by_one",
           "grammar_one_step_late", "kv_stale_scale", "lora_shift", "spec_rollback_off_by_one", "compiled_mask_late",
           "shared_offset", "shared_merge", "live_seed_position")
@@ -124,6 +124,7 @@ class Runner(Retire, Decode):
         # *_cpu_s: the engine thread's own CPU time in a launch (the rest of its wall time it waited: for
         # the GIL, which mx.async_eval releases, or inside MLX)
         self.timing: dict[str, float] = defaultdict(float)
+        self.pieces: Optional[list] = None  # [name, ms] of this iteration's cohort pieces while MLXB_TRACE is on
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
         self.lora = getattr(model, "mlxb_lora", None)  # mlxb.adapters.lora.LoRAContext when --adapters
@@ -251,12 +252,14 @@ class Runner(Retire, Decode):
         (mlx-lm's ``extract``) after the suffixes ran, before the held-back tokens: ``len(prompt) - 1``."""
         clock = [time.perf_counter()]
 
-        def piece(name: str, arrays: Callable[[], list] = list) -> None:  # the step timing cohort_<name> (TRACE_SYNC)
+        def piece(name: str, arrays: Callable[[], list] = list) -> None:  # for the trace only (see TRACE_SYNC)
+            if self.pieces is None:
+                return
             if TRACE_SYNC:
                 mx.eval(arrays())
                 mx.synchronize()
             now = time.perf_counter()
-            self.timing[f"cohort_{name}_s"] += now - clock[0]
+            self.pieces.append([f"cohort_{name}", round(1000 * (now - clock[0]), 2)])
             clock[0] = now
 
         starts = starts or [0] * len(rows)

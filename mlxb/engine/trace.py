@@ -40,7 +40,8 @@ class IterationTrace:
             self._last = now
 
     def record(self, out, t_start: float, rows: int, waiting: int, grammar: int = 0,
-               step: Optional[dict] = None) -> None:
+               step: Optional[dict] = None, pieces: Optional[list] = None) -> None:
+        """``pieces``: [name, ms] of the runner's cohort pieces this iteration (kept only where a cohort ran)."""
         if self._f is None:
             return
         cohort = set(id(c) for c in out.cohort)
@@ -51,6 +52,7 @@ class IterationTrace:
             "prefills": [[c.start, c.end, int(c.shared), int(id(c) in cohort)] for c in out.prefills],
             "rows": rows, "grammar": grammar, "waiting": waiting, "phases": self._phases, "step": step or {},
             "active_mb": round(mx.get_active_memory() / 1e6), "peak_mb": round(mx.get_peak_memory() / 1e6),
+            **({"pieces": pieces} if pieces else {}),
         }) + "\n")
 
     def since_start(self, t: float) -> float:

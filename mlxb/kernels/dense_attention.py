@@ -9,12 +9,12 @@ decode step 75 ms (reports/h100/session58/shared).
 
 This is the split-key pass of ``quantized_attention`` for bf16/fp16/fp32 caches:
 
-* ``mlxb_dattn_part``: one thread block per (chunk of ``C`` keys, KV head, row); queries, keys and values
-  are read through their strides (the model's transposed queries and the cache's views are not copied). A warp scores a key for every
+* ``mlxb_dattn_part``: one thread block per (chunk of ``C`` keys, KV head, row). A warp scores a key for every
   query head of its KV head (lanes across the head dimension, so the key's row is read coalesced), masked keys
   are skipped without being read, the chunk keeps its max and exp-sum, and the threads sum the values weighted
-  by the chunk's probabilities. Keys and values are read through their strides, so the batch cache's view of
-  its buffer (``keys[..., :idx, :]``) is read in place, never copied.
+  by the chunk's probabilities. Queries, keys and values are read through their strides, so the model's
+  transposed queries and the batch cache's view of its buffer (``keys[..., :idx, :]``) are read in place, never
+  copied.
 * A shared prefix (``mlxb.cache.shared``: one [1, H, P, D] copy read by every row whose flag is set) is just
   more chunks: the block of a prefix chunk reads the one copy; rows that do not share skip it.
 * ``mlxb_qattn_join`` (``quantized_attention``'s): per (row, query head), rescale the chunks' partial sums
@@ -23,8 +23,9 @@ This is the split-key pass of ``quantized_attention`` for bf16/fp16/fp32 caches:
 It sums in float32 and in another order than MLX's kernels, so it is not bit-equal to mlx-lm's read (closer
 to float32 attention: measured on an H100, docs/cuda.md): the library keeps MLX's read unless
 ``--kv-attention fused`` or the CLI's default ``auto`` on a CUDA device turns it on, and ``self_check`` compares it with MLX's float32 attention on
-the device before any request can reach it. One query token per row (decode), grouped-query ratios up to 8,
-head sizes 32/64/96/128/256, boolean masks as wide as the keys (or none); anything else keeps MLX's path. The
+the device before any request can reach it. Up to 8 queries per row (a decode step, or a verify step's pending
+token and drafts), grouped-query ratios up to 8,
+head sizes 32/64/96/128/256, boolean masks as wide as the keys, MLX's causal string (or none); anything else keeps MLX's path. The
 wrap of ``mx.fast.scaled_dot_product_attention`` is process-wide, but it routes only the forwards the engine builds
 (``ours``, around ``Runner.fwd``), so mlx-lm's own models and caches in the same process keep MLX's read.
 """

@@ -125,6 +125,11 @@ def kv_attention() -> str:
     return _MODE
 
 
+def kv_attention_note() -> Optional[str]:
+    """Why the CLI's default ``--kv-attention auto`` chose the mode in effect (None when a mode was named)."""
+    return AUTO_NOTE
+
+
 def mark(t: tuple) -> tuple:
     """The cache's (values, scales, biases), marked for the dispatcher when the fused kernel is selected,
     mlx-lm's grouped-query read is wrong on this backend (``quantized_paths``) or CPU reads are split

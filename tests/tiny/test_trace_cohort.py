@@ -1,5 +1,5 @@
 """``MLXB_TRACE``: an iteration that prefills a cohort records its pieces (``cohort_merge``, ``_forward``,
-``_snapshot``, ``_token0``, ``_emit`` in the line's ``step``), ``scripts/trace_summary.py`` reports them, and
+``_snapshot``, ``_token0``, ``_emit`` in the line's ``pieces``), ``scripts/trace_summary.py`` reports them, and
 ``MLXB_TRACE_SYNC=1`` (which evaluates each piece before the next) leaves every token as it was."""
 
 import json
@@ -36,16 +36,16 @@ def test_a_cohort_iteration_traces_its_pieces_and_sync_keeps_the_tokens(tiny_mod
     plain, lines = _run(model, tok, turns, tmp_path / "plain.jsonl")
     cohort = [d for d in lines if "ms" in d and len(d["prefills"]) >= 2]
     assert len(cohort) == 1 and [n for n, _ in cohort[0]["phases"]].count("cohort") == 1
-    step = cohort[0]["step"]
-    assert PIECES <= set(step) and all(step[k] >= 0 for k in PIECES)
+    pieces = dict(cohort[0]["pieces"])
+    assert set(pieces) == PIECES and all(v >= 0 for v in pieces.values())
     # the pieces are the runner's cohort phase, cut up: together no longer than it (host wall time)
-    assert sum(step[k] for k in PIECES) <= dict(cohort[0]["phases"])["cohort"] + 1.0
+    assert sum(pieces.values()) <= dict(cohort[0]["phases"])["cohort"] + 1.0
     decode_only = [d for d in lines if "ms" in d and not d["prefills"]]
-    assert decode_only and not any(k in d["step"] for d in decode_only for k in PIECES)  # only where a cohort ran
+    assert decode_only and not any("pieces" in d for d in decode_only)  # only where a cohort ran
     summary = summarize(lines)
     assert set(summary["cohort_pieces_ms"]) == PIECES and summary["cohort_pieces_ms"]["cohort_forward"]["n"] == 1
 
     monkeypatch.setattr(runner_mod, "TRACE_SYNC", True)
     synced, lines = _run(model, tok, turns, tmp_path / "sync.jsonl")
     assert synced == plain
-    assert PIECES <= set(next(d for d in lines if "ms" in d and len(d["prefills"]) >= 2)["step"])
+    assert set(dict(next(d for d in lines if "ms" in d and len(d["prefills"]) >= 2)["pieces"])) == PIECES
