@@ -286,10 +286,11 @@ class Runner(Retire, Decode):
                     c.prepare(lengths=lengths, right_padding=pad)
             self.fwd(rows, mx.array([b + [0] * (width - len(b)) for b in bodies]), caches)
             if max(pad) > 0:
+                piece("forward", lambda: [c.state for c in caches])
                 for c in caches:
                     c.finalize()
             mx.eval([c.state for c in caches])
-        piece("forward")
+            piece("roll" if max(pad) > 0 else "forward")
         if self.kv is not None and min(s + n for s, n in zip(starts, lengths)) >= self.kv.start:
             caches = self._quantized(caches)  # every body reached the start: convert before the held-back step
         if snapshot is not None:
@@ -318,9 +319,15 @@ class Runner(Retire, Decode):
         """Join cohort rows ``keep`` (indices into ``rows``; the others finished at token 0)."""
         if not keep:
             return
+        t0 = time.perf_counter()
         if len(keep) < len(rows):
             caches = [ROW_OPS[k].filter(c, keep) for k, c in zip(self.kinds, caches)]
         self._attach([rows[i] for i in keep], [tokens[i] for i in keep], self._quantized(caches), merged=True)
+        if self.pieces is not None:  # the batch's extend (its copies run here only under TRACE_SYNC)
+            if TRACE_SYNC:
+                mx.eval([c.state for c in self.caches])
+                mx.synchronize()
+            self.pieces.append(["cohort_join", round(1000 * (time.perf_counter() - t0), 2)])
 
     # ---- join ------------------------------------------------------------------------------
     def join(self, row: Row, token0: int) -> None:

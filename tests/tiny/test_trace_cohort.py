@@ -1,5 +1,6 @@
 """``MLXB_TRACE``: an iteration that prefills a cohort records its pieces (``cohort_merge``, ``_forward``,
-``_snapshot``, ``_token0``, ``_emit`` in the line's ``pieces``), ``scripts/trace_summary.py`` reports them, and
+``_roll`` (suffixes of unequal length), ``_snapshot``, ``_token0``, ``_emit``, then ``_join`` into the batch, in the
+line's ``pieces``), ``scripts/trace_summary.py`` reports them, and
 ``MLXB_TRACE_SYNC=1`` (which evaluates each piece before the next) leaves every token as it was."""
 
 import json
@@ -13,7 +14,7 @@ from mlxb.engine.trace import IterationTrace
 from mlxb.request import Request
 from scripts.trace_summary import summarize
 
-PIECES = {"cohort_merge", "cohort_forward", "cohort_snapshot", "cohort_token0", "cohort_emit"}
+PIECES = {"cohort_merge", "cohort_forward", "cohort_roll", "cohort_snapshot", "cohort_token0", "cohort_emit", "cohort_join"}
 
 
 def _run(model, tok, turns, path):
@@ -38,8 +39,11 @@ def test_a_cohort_iteration_traces_its_pieces_and_sync_keeps_the_tokens(tiny_mod
     assert len(cohort) == 1 and [n for n, _ in cohort[0]["phases"]].count("cohort") == 1
     pieces = dict(cohort[0]["pieces"])
     assert set(pieces) == PIECES and all(v >= 0 for v in pieces.values())
-    # the pieces are the runner's cohort phase, cut up: together no longer than it (host wall time)
-    assert sum(pieces.values()) <= dict(cohort[0]["phases"])["cohort"] + 1.0
+    # the pieces are the runner's cohort phase, cut up: together no longer than it (host wall time); the join is
+    # the join phase's
+    phases = dict(cohort[0]["phases"])
+    assert sum(v for k, v in pieces.items() if k != "cohort_join") <= phases["cohort"] + 1.0
+    assert pieces["cohort_join"] <= phases["join"] + 1.0
     decode_only = [d for d in lines if "ms" in d and not d["prefills"]]
     assert decode_only and not any("pieces" in d for d in decode_only)  # only where a cohort ran
     summary = summarize(lines)
