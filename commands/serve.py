@@ -103,6 +103,9 @@ def serve(
                   f"{' (synthetic, random weights)' if gw.spec.synthetic else ''}  device={mx.default_device()}  "
                   f"mode={gw.engine.mode} (batch {batch})"
                   + (f"  warm-up {gw.engine.warmup['seconds']:.1f}s" if gw.engine.warmup else "")
+                  + (f" ({gw.engine.warmup['attention_variants']} attention kernels in "
+                     f"{gw.engine.warmup['attention_variants_s']:.1f}s)"
+                     if gw.engine.warmup and "attention_variants" in gw.engine.warmup else "")
                   + ("" if gw.engine.attention_kernels.startswith("n/a") else f"  attention {gw.engine.attention_kernels}")
                   + f"  kv-attention {kv_attention}")
     note = kv_attention_note()

@@ -415,6 +415,16 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
       3) MLXB_KV_ATTENTION=fused PEER="--peer ${FUSED_PEER:-mlxb-fused-off}" LEVELS=${LEVELS:-32} REPEATS=${REPEATS:-2} \
            bash "$0" agentloop ;;
     esac ;;
+  variants)  # issue 46: the fused attention kernel's variants (scripts/fused_variants_check.py: bf16 after the f32 self-check,
+             # one compile per query count, the warm-up's time fresh and from MLX's disk cache), then the 32-agent loop against
+             # mlx_lm.server with the kernels MLX compiled during it listed (jit-during-run.txt: what a warm-up still misses)
+    python3 scripts/fused_variants_check.py --out "$OUT/variants-first.json" 2>&1 | grep -v Warning | tail -${TAIL:-12}
+    python3 scripts/fused_variants_check.py --out "$OUT/variants-again.json" 2>&1 | grep -v Warning | tail -1
+    [ "${LOOP:-1}" = 1 ] || exit 0
+    touch /tmp/jit-marker; t0=$(date +%s)
+    LEVELS=${LEVELS:-32} REPEATS=${REPEATS:-2} TAIL=${LOOP_TAIL:-16} TRACE_TAIL=${TRACE_TAIL:-40} bash "$0" agentloop
+    { echo "loop started $t0"; find /tmp/mlx -name '*.ptx' -newer /tmp/jit-marker -printf '%T@ %f\n' 2>/dev/null | sort; } > "$OUT/jit-during-run.txt"
+    wc -l "$OUT/jit-during-run.txt" ;;
   agentloop)  # issue 46: C agents x K turns with tools, mlxb serve vs mlx_lm.server, fresh text per run, mlxb's trace
               # (MLXB_TRACE_SYNC=1: the cohort pieces in the trace attribute device time; the ratios then run a little slow)
     m=synth-llama-8b

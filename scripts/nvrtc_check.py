@@ -85,11 +85,10 @@ def main():
                                           (64, 1, 1, 128, True, False), (96, 3, 1, 128, False, False),
                                           (256, 4, 4, 256, True, True), (32, 2, 8, 64, False, False), (128, 4, 5, 128, True, False)):
             i = [("q", T), ("keys", T), ("values", T), ("mask", "bool"), ("pkeys", T), ("pvalues", "float32"),
-                 ("share", "bool")]
-            while C > 64 and da.smem_floats(G * L, D, C) > da.SMEM_FLOATS:  # as launch_plan chooses
-                C //= 2
-            consts = dict(D=D, G=G, L=L, C=C, NT=da.NT, HAS_MASK=L == 1, CAUSAL=L > 1, HAS_PREFIX=prefix,
-                          SHARE_FLAGS=flags, SCALE_BITS=1040187392)
+                 ("share", "bool"), ("plan", "bool")]
+            # the chunk and the flags are read at run time from the plan input's shape (prefix, flags: not compiled)
+            consts = dict(D=D, G=G, L=L, CMAX=da.chunk_max(G * L, D), NT=da.NT, SCALE_BITS=1040187392, TQ=T, TK=T,
+                          TV=T, TPK=T, TPV="float32")
             src = wrap("dpart", i, [("o_part", "float32"), ("m_part", "float32"), ("l_part", "float32")],
                        da._PART, da._HEADER, consts)
             rc, log = compile_one(lib, src, "dpart.cu", a.include)

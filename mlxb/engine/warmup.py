@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import time
 
+from mlxb.kernels import dense_attention
 from mlxb.spec.control import StepCost
 from mlxb.engine.stream import OutputStream
 from mlxb.errors import MlxbError
@@ -99,6 +100,11 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
     finished = [list(st)[-1].finish_reason for st in streams]  # every stream is closed by now
     stats = {"seconds": time.perf_counter() - t0, "iterations": it, "requests": len(streams), "skipped": skipped,
              "batched_steps": engine.counters["batched_steps"], "finished": finished}
+    if dense_attention.enabled():  # --kv-attention fused: every query count's kernel, compiled now, not mid-traffic
+        tk = time.perf_counter()
+        stats["attention_variants"] = dense_attention.warm_variants(prefix=engine.runner.sharing is not None)
+        stats["attention_variants_s"] = round(time.perf_counter() - tk, 2)
+        stats["seconds"] = time.perf_counter() - t0
     if stats_spec is not None:
         stats["verify_steps"] = stats_spec
     if engine.prompt_cache is not None:

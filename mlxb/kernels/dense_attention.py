@@ -40,7 +40,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels import cuda_gpu
+from mlxb.kernels import cuda_gpu, kernel_name
 from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, WRITE_PARTS, chunk_for
 
 HEAD_DIMS = (32, 64, 96, 128, 256)  # multiples of the warp: a lane per 32nd dim when scoring
@@ -57,6 +57,11 @@ _KERNELS: dict = {}
 _DUMMY: dict = {}
 
 _PART = r"""
+  // the call's chunk of keys and flags come through the plan input's shape, not as template constants: one
+  // compiled variant serves every batch size, key count, mask kind and prefix (each variant costs a compile)
+  const int C = plan_shape[0];             // keys per block, at most CMAX
+  const int FL = plan_shape[1] - 1;
+  const bool HAS_MASK = FL & 1, CAUSAL = FL & 2, HAS_PREFIX = FL & 4, SHARE_FLAGS = FL & 8;
   constexpr int R = G * L;                 // query rows per KV head: its G query heads x the row's L queries
   constexpr int NW = NT / 32;              // warps: each scores one key at a time
   constexpr int DL = D / 32;               // dims per lane in the score pass
@@ -65,7 +70,7 @@ _PART = r"""
   constexpr int DT = D / TPS;              // dims per thread in the value pass
   __shared__ float qs[R * D];
   __shared__ float red[J * R * D];
-  __shared__ float ps[R][C];
+  __shared__ float ps[R][CMAX];
   __shared__ float mstat[R], lstat[R];
   const float scale = __int_as_float(SCALE_BITS);
   const int c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -169,16 +174,16 @@ _PART = r"""
 """ + WRITE_PARTS + r"""
 """
 
-INPUTS = ["q", "keys", "values", "mask", "pkeys", "pvalues", "share"]
+INPUTS = ["q", "keys", "values", "mask", "pkeys", "pvalues", "share", "plan"]
 
 
 def _kernels():
     if not _KERNELS:
         _KERNELS["part"] = mx.fast.cuda_kernel(
-            name="mlxb_dattn_part", input_names=INPUTS, output_names=["o_part", "m_part", "l_part"],
+            name=kernel_name("mlxb_dattn_part", _HEADER, _PART), input_names=INPUTS, output_names=["o_part", "m_part", "l_part"],
             source=_PART, header=_HEADER, ensure_row_contiguous=False)
         _KERNELS["join"] = mx.fast.cuda_kernel(
-            name="mlxb_dattn_join", input_names=["o_part", "m_part", "l_part"], output_names=["out"],
+            name=kernel_name("mlxb_dattn_join", _HEADER, _JOIN), input_names=["o_part", "m_part", "l_part"], output_names=["out"],
             source=_JOIN, header=_HEADER)
     return _KERNELS
 
@@ -221,21 +226,38 @@ def smem_floats(rows: int, D: int, C: int) -> int:
 SMEM_FLOATS = 48 * 1024 // 4  # CUDA's static shared memory per block
 
 
-def launch_plan(B: int, hq: int, hkv: int, L: int, n: int, p: int, D: int, has_mask: bool, causal: bool,
-                share_flags: bool, scale: float, dtype) -> tuple[dict, dict]:
-    """Template constants, grids (in threads, as ``cuda_kernel`` takes them) and output shapes of the two kernels
-    for B rows of L queries over ``n`` own keys and a ``p``-key shared prefix; shared by ``fused_decode`` and the
-    CPU emulation test."""
-    C = chunk_for(B * hkv, n + p)
-    while C > 64 and smem_floats(hq // hkv * L, D, C) > SMEM_FLOATS:
+def chunk_max(rows: int, D: int) -> int:
+    """The largest chunk of keys (256/128/64) whose shared arrays fit a block for ``rows`` query rows."""
+    C = 256
+    while C > 64 and smem_floats(rows, D, C) > SMEM_FLOATS:
         C //= 2
+    return C
+
+
+def launch_plan(B: int, hq: int, hkv: int, L: int, n: int, p: int, D: int, has_mask: bool, causal: bool,
+                share_flags: bool, scale: float, dtype, kv_dtypes: Optional[tuple] = None) -> tuple[dict, dict]:
+    """Template constants, grids (in threads, as ``cuda_kernel`` takes them), output shapes of the two kernels and
+    the part kernel's ``plan`` (the shape of its plan input: the chunk of keys and the flags) for B rows of L queries
+    over ``n`` own keys and a ``p``-key shared prefix; shared by ``fused_decode``, the warm-up and the CPU emulation
+    test.
+
+    The template holds only what the compiled code must know (head size, group, queries, the largest chunk, the
+    element types of every float input: MLX names a compiled kernel by its template alone, so a kernel compiled for
+    float32 inputs (the start-up self-check) would otherwise be reused for bfloat16 ones); the chunk and the flags
+    vary per call without a new compile. ``kv_dtypes``: (keys, values, prefix keys, prefix values), default
+    ``dtype``."""
+    R = hq // hkv * L
+    cmax = chunk_max(R, D)
+    C = min(chunk_for(B * hkv, n + p), cmax)
     nc = math.ceil(p / C) + math.ceil(n / C)
     scale_bits = struct.unpack("<i", struct.pack("<f", float(scale)))[0]
-    part = dict(template=[("D", D), ("G", hq // hkv), ("L", L), ("C", C), ("NT", NT), ("HAS_MASK", has_mask),
-                          ("CAUSAL", causal), ("HAS_PREFIX", p > 0), ("SHARE_FLAGS", share_flags),
-                          ("SCALE_BITS", scale_bits)],
+    tk, tv, tpk, tpv = kv_dtypes or (dtype,) * 4
+    part = dict(template=[("D", D), ("G", hq // hkv), ("L", L), ("CMAX", cmax), ("NT", NT), ("SCALE_BITS", scale_bits),
+                          ("TQ", dtype), ("TK", tk), ("TV", tv), ("TPK", tpk), ("TPV", tpv)],
                 grid=(nc * NT, hkv, B), threadgroup=(NT, 1, 1),
                 output_shapes=[(B, hq * L, nc, D), (B, hq * L, nc), (B, hq * L, nc)])
+    flags = int(has_mask) | 2 * int(causal) | 4 * int(p > 0) | 8 * int(share_flags)
+    part["plan"] = (C, 1 + flags)
     join = dict(template=[("T", dtype)], grid=(B * hq * L * D, 1, 1), threadgroup=(D, 1, 1),
                 output_shapes=[(B, hq, L, D)])
     return part, join
@@ -287,9 +309,14 @@ def fused_decode(q, k, v, scale: float, mask=None, prefix: Optional[tuple] = Non
     Returns [B, Hq, L, D]."""
     B, hq, L, D = q.shape
     inputs, has_mask, causal, flags, p = kernel_inputs(q, k, v, mask, prefix)
-    part, join = launch_plan(B, hq, k.shape[1], L, k.shape[2], p, D, has_mask, causal, flags, scale, q.dtype)
+    part, join = launch_plan(B, hq, k.shape[1], L, k.shape[2], p, D, has_mask, causal, flags, scale, q.dtype,
+                             (k.dtype, v.dtype, inputs[4].dtype, inputs[5].dtype))
+    plan = part.pop("plan")
+    if ("plan", plan) not in _DUMMY:
+        _DUMMY[("plan", plan)] = mx.zeros(plan, dtype=mx.bool_)
     kern = _kernels()
-    o_part, m_part, l_part = kern["part"](inputs=inputs, output_dtypes=[mx.float32] * 3, **part)
+    o_part, m_part, l_part = kern["part"](inputs=inputs + [_DUMMY[("plan", plan)]], output_dtypes=[mx.float32] * 3,
+                                          **part)
     (out,) = kern["join"](inputs=[o_part, m_part, l_part], output_dtypes=[q.dtype], **join)
     return out
 
@@ -357,10 +384,40 @@ def takes(q, mask) -> bool:
     return isinstance(mask, mx.array) or (isinstance(mask, str) and q.shape[2] >= 4)
 
 
+_SEEN: set = set()  # (Hq, Hkv, D, q/k/v dtypes, scale) of the engine's calls that took the kernel
+
+
 def _dispatch(q, k, v, *, scale, mask=None, sinks=None, **kw):
     if active() and sinks is None and not kw and takes(q, mask) and supports(q, k, v, mask):
+        _SEEN.add((q.shape[1], k.shape[1], q.shape[-1], q.dtype, k.dtype, v.dtype, float(scale)))
         return fused_decode(q, k, v, scale, mask)
     return _ORIGINAL(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
+
+
+def warm_variants(prefix: bool = False) -> int:
+    """Compile, before traffic, the kernel for every query count a call can bring (1 to MAX_QUERIES: decode, verify
+    steps, short masked cohorts) for each attention shape the engine's forwards have sent (``_SEEN``, filled by the
+    start-up warm-up), and with a shared prefix too where ``prefix``. A variant not compiled here cost the request
+    that first needed it 1.5-2.2 s of compiling on an H100 (the agent loop, stop 65). MLX keeps compiled kernels on
+    disk, so after the first start on a machine this loads them. Returns the variants run."""
+    ran = []
+    for hq, hkv, D, tq, tk, tv, scale in sorted(_SEEN, key=str):
+        for L in range(1, MAX_QUERIES + 1):
+            q = mx.zeros((1, hq, L, D), dtype=tq)
+            k, v = mx.zeros((1, hkv, L, D), dtype=tk), mx.zeros((1, hkv, L, D), dtype=tv)
+            mask = mx.ones((1, 1, L, L), dtype=mx.bool_)
+            if not supports(q, k, v, mask):
+                continue
+            ran.append(fused_decode(q, k, v, scale, mask))
+            if prefix:  # the shared prefix's copy in the keys' and the values' dtypes
+                ran.append(fused_decode(q, k, v, scale, mask, (k, v, mx.ones((1,), dtype=mx.bool_))))
+    mx.eval(ran)
+    return len(ran)
+
+
+def enabled() -> bool:
+    """Whether ``--kv-attention fused`` is on in this process (the engine's forwards may take the kernel)."""
+    return _ON
 
 
 def active() -> bool:

@@ -24,7 +24,7 @@ import os
 
 import mlx.core as mx
 
-from mlxb.kernels import cuda_gpu
+from mlxb.kernels import cuda_gpu, kernel_name
 
 NT = 256  # threads per block, each one output of one row
 MAX_ROWS = int(os.environ.get("MLXB_LORA_CAT_MAX_ROWS", "64"))  # prefill chunks above this keep the addmm
@@ -67,7 +67,7 @@ def launch_plan(lead: tuple, outputs: int, rank: int, width: int, product: int, 
 
 def _kernel():
     if not _KERNEL:
-        _KERNEL.append(mx.fast.cuda_kernel(name="mlxb_lora_cat_expand", input_names=["p", "bp", "zoff", "slot"],
+        _KERNEL.append(mx.fast.cuda_kernel(name=kernel_name("mlxb_lora_cat_expand", SOURCE), input_names=["p", "bp", "zoff", "slot"],
                                            output_names=["out"], source=SOURCE))
     return _KERNEL[0]
 

@@ -28,7 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels import cuda_gpu
+from mlxb.kernels import cuda_gpu, kernel_name
 
 NT = 256  # threads per block
 TARGET_BLOCKS = 132  # blocks per launch the tiles aim at (scripts/probes/lora_kernel_cost.py sweeps it)
@@ -165,7 +165,7 @@ def _kernel(which: str):
         spec = {"one": (["x", "y", "a", "b", "slot", "scale"], ["out"], _SOURCE),
                 "shrink": (["x", "a", "slot"], ["part"], _SHRINK),
                 "expand": (["y", "part", "b", "slot", "scale"], ["out"], _EXPAND)}[which]
-        _KERNELS[which] = mx.fast.cuda_kernel(name=f"mlxb_lora_{which}", input_names=spec[0], output_names=spec[1],
+        _KERNELS[which] = mx.fast.cuda_kernel(name=kernel_name(f"mlxb_lora_{which}", spec[2]), input_names=spec[0], output_names=spec[1],
                                               source=spec[2])
     return _KERNELS[which]
 

@@ -34,7 +34,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.kernels import quantized_paths, split_read
+from mlxb.kernels import kernel_name, quantized_paths, split_read
 from mlxb.kernels.split_key import CHUNK_STATS, HEADER as _HEADER, JOIN as _JOIN, WRITE_PARTS, chunk_for
 from mlxb.kernels.quantized_paths import fold_reads, folded_attention, reference_attention
 from mlxb.kernels.split_read import split_attention, split_parts
@@ -256,10 +256,10 @@ NT = 128
 def _kernels():
     if not _KERNELS:
         _KERNELS["part"] = mx.fast.cuda_kernel(
-            name="mlxb_qattn_part", input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask"],
+            name=kernel_name("mlxb_qattn_part", _HEADER, _PART), input_names=["q", "kw", "ks", "kb", "vw", "vs", "vb", "mask"],
             output_names=["o_part", "m_part", "l_part"], source=_PART, header=_HEADER)
         _KERNELS["join"] = mx.fast.cuda_kernel(
-            name="mlxb_qattn_join", input_names=["o_part", "m_part", "l_part"], output_names=["out"],
+            name=kernel_name("mlxb_qattn_join", _HEADER, _JOIN), input_names=["o_part", "m_part", "l_part"], output_names=["out"],
             source=_JOIN, header=_HEADER)
     return _KERNELS
 

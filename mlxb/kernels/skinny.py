@@ -23,7 +23,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxb.kernels import cuda_gpu
+from mlxb.kernels import cuda_gpu, kernel_name
 
 NT = 256  # threads per block: 8 warps
 MAX_ROWS = int(os.environ.get("MLXB_SKINNY_MAX_ROWS", "8"))  # above this cuBLAS pays (scripts/skinny_cost.py)
@@ -136,7 +136,7 @@ def launch_plan(rows: int, n: int, dtype, rw: Optional[int] = None, unroll: Opti
 
 def _kernel(reduce: str):
     if reduce not in _KERNELS:
-        _KERNELS[reduce] = mx.fast.cuda_kernel(name=f"mlxb_skinny_{reduce}", input_names=["x", "w"],
+        _KERNELS[reduce] = mx.fast.cuda_kernel(name=kernel_name(f"mlxb_skinny_{reduce}", SOURCE, HEADER_CG if reduce == "cg" else HEADER_XOR), input_names=["x", "w"],
                                                output_names=["out"], source=SOURCE,
                                                header=HEADER_CG if reduce == "cg" else HEADER_XOR)
     return _KERNELS[reduce]

@@ -314,6 +314,23 @@ def test_warm_up_respects_a_small_kv_budget(tiny_models):
     assert warm_up(none)["requests"] == 0
 
 
+def test_warm_up_compiles_the_fused_attention_variants_only_where_the_kernel_is_on(tiny_models, monkeypatch):
+    """With --kv-attention fused on (CUDA), the warm-up ends by compiling every query count's kernel for the shapes
+    its forwards sent (with a shared prefix too where sharing is on); off (Metal, CPU, mlx-lm), it does not."""
+    from mlxb.engine.warmup import warm_up
+    from mlxb.kernels import dense_attention as da
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    asked = []
+    monkeypatch.setattr(da, "warm_variants", lambda prefix=False: asked.append(prefix) or 8)
+    assert "attention_variants" not in warm_up(Engine(model, tok, max_batch=4)) and asked == []
+    monkeypatch.setattr(da, "enabled", lambda: True)
+    stats = warm_up(Engine(model, tok, max_batch=4))
+    assert stats["attention_variants"] == 8 and asked == [False]
+    warm_up(Engine(model, tok, max_batch=4, share_min=16))
+    assert asked == [False, True]
+
+
 def test_idle_engine_gives_cached_buffers_back_after_a_poll_not_before_the_last_answer(tiny_models, monkeypatch):
     """Going idle clears MLX's buffer cache once, after the inbox stayed empty for a poll: never while
     the batch runs, and a request that arrives within the poll finds the buffers still cached."""

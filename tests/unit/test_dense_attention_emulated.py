@@ -32,7 +32,7 @@ def emulated(part_src, q, k, v, scale, mask, prefix=None):
     mask = mask if isinstance(mask, np.ndarray) else None
     part, join = da.launch_plan(B, hq, hkv, L, n, p, D, mask is not None, causal, flags, scale, "float")
     consts = {name: val for name, val in part["template"]}
-    kp = EmulatedKernel("mlxb_dattn_part", list(zip(da.INPUTS, [F32, F32, F32, BOOL, F32, F32, BOOL])),
+    kp = EmulatedKernel("mlxb_dattn_part", list(zip(da.INPUTS, [F32, F32, F32, BOOL, F32, F32, BOOL, BOOL])),
                         [("o_part", F32), ("m_part", F32), ("l_part", F32)], part_src, da._HEADER, consts,
                         ensure_row_contiguous=False)  # as _kernels() builds it
     kj = EmulatedKernel("mlxb_dattn_join", [("o_part", F32), ("m_part", F32), ("l_part", F32)], [("out", F32)],
@@ -41,10 +41,11 @@ def emulated(part_src, q, k, v, scale, mask, prefix=None):
     ins = dict(q=q, keys=k, values=v,
                mask=np.ones((1,), BOOL) if mask is None else np.ascontiguousarray(np.broadcast_to(mask, (B, 1, L, n)).reshape(B, L, n)),
                pkeys=dummy if prefix is None else prefix[0], pvalues=dummy if prefix is None else prefix[1],
-               share=np.asarray(prefix[2]) if flags else np.ones((1,), BOOL))
+               share=np.asarray(prefix[2]) if flags else np.ones((1,), BOOL),
+               plan=np.zeros(part["plan"], BOOL))  # the chunk and the flags, read from its shape
     names = ("o_part", "m_part", "l_part")
     parts = kp(ins, dict(zip(names, part["output_shapes"])), part["grid"], part["threadgroup"])
-    return kj(parts, {"out": join["output_shapes"][0]}, join["grid"], join["threadgroup"])["out"], consts["C"]
+    return kj(parts, {"out": join["output_shapes"][0]}, join["grid"], join["threadgroup"])["out"], part["plan"][0]
 
 
 def case(B, hq, hkv, D, n, width, seed, masked=True):
@@ -197,7 +198,7 @@ def test_supports_decode_shapes_only():
     assert not da.supports(mx.zeros((2, 16, 4, 256)), k256, k256, "causal")
     assert da.supports(mx.zeros((2, 8, 4, 256)), k256, k256, "causal")
     part, _ = da.launch_plan(64, 8, 2, 4, 8000, 0, 256, False, True, False, 1.0, mx.bfloat16)
-    assert da.smem_floats(16, 256, dict(part["template"])["C"]) <= da.SMEM_FLOATS
+    assert part["plan"][0] <= dict(part["template"])["CMAX"] and da.smem_floats(16, 256, dict(part["template"])["CMAX"]) <= da.SMEM_FLOATS
     assert not da.supports(q, k, k, mx.zeros((2, 1, 1, 40)))  # an additive mask
     assert not da.supports(mx.zeros((2, 8, 1, 80)), mx.zeros((2, 2, 40, 80)), mx.zeros((2, 2, 40, 80)), None)
     assert not da.supports(mx.zeros((2, 24, 1, 128)), k, k, None)  # 12 query heads per KV head
@@ -275,3 +276,46 @@ def test_queries_read_as_contiguous_fail():
     assert np.abs(right - mlx_attention(q, k, v, 64 ** -0.5, mask)).max() < 1e-5
     wrong, _ = emulated(planted, q, k, v, 64 ** -0.5, mask)
     assert np.abs(wrong - right).max() > 1e-2
+
+
+def test_a_compiled_variant_depends_on_the_query_count_alone():
+    """MLX compiles a kernel per template (1.5-2.2 s each on an H100, paid by the request that first needs it): the
+    chunk, the mask kind and the prefix travel in the plan input's shape, so the warm-up's one small call per query
+    count compiles what every batch size, key count, mask kind and prefix later runs; and every float input's dtype
+    is in the template, since MLX names a compiled kernel by its template alone (the float32 self-check's kernel must
+    not serve bfloat16 inputs)."""
+    scale = 128 ** -0.5
+    for L in range(1, da.MAX_QUERIES + 1):
+        warm, _ = da.launch_plan(1, 32, 8, L, L, 0, 128, True, False, False, scale, mx.bfloat16,
+                                 (mx.bfloat16, mx.bfloat16, mx.float32, mx.float32))
+        for B, n, p, masked, flags in ((1, 40, 0, True, False), (32, 2000, 0, True, False), (64, 8000, 0, L > 3, False),
+                                       (7, 300, 0, True, False)):
+            causal = not masked
+            part, _ = da.launch_plan(B, 32, 8, L, n, p, 128, masked, causal, flags, scale, mx.bfloat16,
+                                     (mx.bfloat16, mx.bfloat16, mx.float32, mx.float32))
+            assert part["template"] == warm["template"], (L, B, n)
+            assert part["plan"][0] <= dict(part["template"])["CMAX"]
+        shared, _ = da.launch_plan(16, 32, 8, L, 900, 1500, 128, True, False, True, scale, mx.bfloat16)
+        warm_shared, _ = da.launch_plan(1, 32, 8, L, L, L, 128, True, False, True, scale, mx.bfloat16)
+        assert shared["template"] == warm_shared["template"]
+    a, _ = da.launch_plan(2, 8, 2, 1, 300, 0, 128, True, False, False, scale, mx.float32)
+    b, _ = da.launch_plan(2, 8, 2, 1, 300, 0, 128, True, False, False, scale, mx.bfloat16)
+    assert a["template"] != b["template"]
+    plans = {da.launch_plan(B, 32, 8, 1, n, 0, 128, True, False, False, scale, mx.bfloat16)[0]["plan"]
+             for B, n in ((1, 100), (64, 8000))}
+    assert plans == {(64, 2), (256, 2)}  # the chunk still follows the batch and the keys
+
+
+def test_the_warm_up_runs_every_query_count_for_each_shape_seen(monkeypatch):
+    calls = []
+    monkeypatch.setattr(da, "fused_decode", lambda q, k, v, scale, mask=None, prefix=None:
+                        calls.append((q.shape[2], q.dtype, prefix is not None)) or mx.zeros((1,)))
+    monkeypatch.setattr(da, "_SEEN", {(32, 8, 128, mx.bfloat16, mx.bfloat16, mx.bfloat16, 0.088)})
+    assert da.warm_variants() == da.MAX_QUERIES
+    assert sorted(c[0] for c in calls) == list(range(1, da.MAX_QUERIES + 1))
+    calls.clear()
+    assert da.warm_variants(prefix=True) == 2 * da.MAX_QUERIES and sum(c[2] for c in calls) == da.MAX_QUERIES
+    monkeypatch.setattr(da, "_SEEN", {(64, 8, 128, mx.bfloat16, mx.bfloat16, mx.bfloat16, 0.088)})
+    calls.clear()  # 8 query heads a KV head x 5+ queries: more rows than a block takes, MLX's path then
+    da.warm_variants()
+    assert sorted(c[0] for c in calls) == [1, 2, 3, 4]
