@@ -102,6 +102,31 @@ def test_a_verify_step_runs_only_when_the_whole_batch_gains():
     assert pays(NS(spec=SpecConfig(adaptive=False), rows=one.rows, step_cost=cost))  # --spec-fixed
 
 
+def test_no_row_pays_for_another_rows_drafts(monkeypatch):
+    """Half a batch drafting well (forced tool calls copying the schema's JSON) and half not (free text): where a
+    verify step costs 2.3 plain steps, the batch stays plain, though the rows' expected tokens average more than that
+    (the free rows would decode at 1/2.3 of their speed); the whole batch drafting well verifies. MLXB_SPEC_BATCH=mean
+    (the rule before) verifies the mixed batch too."""
+    from types import SimpleNamespace as NS
+
+    from mlxb.spec import control
+    from mlxb.spec.verify import RowSpec, StepCost, pays
+
+    cost = StepCost()
+    cost.observe(True, 0.023, rows=8)
+    for _ in range(StepCost.REFILL + 1):
+        cost.observe(False, 0.010, rows=8)
+    good = lambda: NS(spec=RowSpec(4, 4, alpha=0.95, evidence=4))  # noqa: E731  gain 4.5 tokens a step
+    free = lambda: NS(spec=RowSpec(4, 4, alpha=0.05, evidence=4))  # noqa: E731
+    mixed = NS(spec=SpecConfig(), rows=[good() for _ in range(4)] + [free() for _ in range(4)], step_cost=cost)
+    plain_rows = NS(spec=SpecConfig(), rows=[good() for _ in range(4)] + [NS(spec=None) for _ in range(4)], step_cost=cost)
+    every = NS(spec=SpecConfig(), rows=[good() for _ in range(8)], step_cost=cost)
+    assert abs(cost.ratio_at(8) - 2.3) < 1e-9
+    assert not pays(mixed) and not pays(plain_rows) and pays(every)
+    monkeypatch.setattr(control, "BATCH_RULE", "mean")
+    assert pays(mixed) and pays(plain_rows) and pays(every)
+
+
 def test_a_high_verify_cost_is_measured_again_after_a_while():
     """A cost that shut the bar (a first-shape compile, another batch size) does not keep it shut: after
     StepCost.PROBE plain steps one verify step may run and measure it again, for rows expected to gain
