@@ -102,7 +102,9 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
              "batched_steps": engine.counters["batched_steps"], "finished": finished}
     if dense_attention.enabled():  # --kv-attention fused: every query count's kernel, compiled now, not mid-traffic
         tk = time.perf_counter()
-        stats["attention_variants"] = dense_attention.warm_variants(prefix=engine.runner.sharing is not None)
+        r = engine.runner  # a verify step brings its pending token and up to --num-draft-tokens drafts
+        queries = 1 + (r.spec.num_draft_tokens if r.proposer is not None else 0)
+        stats["attention_variants"] = dense_attention.warm_variants(prefix=r.sharing is not None, queries=queries)
         stats["attention_variants_s"] = round(time.perf_counter() - tk, 2)
         stats["seconds"] = time.perf_counter() - t0
     if stats_spec is not None:

@@ -394,15 +394,15 @@ def _dispatch(q, k, v, *, scale, mask=None, sinks=None, **kw):
     return _ORIGINAL(q, k, v, scale=scale, mask=mask, sinks=sinks, **kw)
 
 
-def warm_variants(prefix: bool = False) -> int:
-    """Compile, before traffic, the kernel for every query count a call can bring (1 to MAX_QUERIES: decode, verify
-    steps, short masked cohorts) for each attention shape the engine's forwards have sent (``_SEEN``, filled by the
-    start-up warm-up), and with a shared prefix too where ``prefix``. A variant not compiled here cost the request
-    that first needed it 1.5-2.2 s of compiling on an H100 (the agent loop, stop 65). MLX keeps compiled kernels on
-    disk, so after the first start on a machine this loads them. Returns the variants run."""
+def warm_variants(prefix: bool = False, queries: int = MAX_QUERIES) -> int:
+    """Compile, before traffic, the kernel for each query count up to ``queries`` (1: decode; a verify step's pending
+    token and drafts) for each attention shape the engine's forwards have sent (``_SEEN``, filled by the start-up
+    warm-up), and with a shared prefix too where ``prefix``. A variant not made here cost the request that first
+    needed it 1.2-2.2 s on an H100 (the agent loop, stop 65: about 1.2 s a variant even in a second process, so
+    MLX's on-disk cache of compiled kernels saves little of it). Returns the variants run."""
     ran = []
     for hq, hkv, D, tq, tk, tv, scale in sorted(_SEEN, key=str):
-        for L in range(1, MAX_QUERIES + 1):
+        for L in range(1, min(queries, MAX_QUERIES) + 1):
             q = mx.zeros((1, hq, L, D), dtype=tq)
             k, v = mx.zeros((1, hkv, L, D), dtype=tk), mx.zeros((1, hkv, L, D), dtype=tv)
             mask = mx.ones((1, 1, L, L), dtype=mx.bool_)

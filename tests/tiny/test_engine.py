@@ -12,6 +12,7 @@ from mlxb.engine.engine import Engine
 from mlxb.engine.gateway import Gateway, GenerationInput
 from mlxb.engine.stream import OutputStream
 from mlxb.request import Request, SamplingParams
+from mlxb.spec.config import SpecConfig
 from tests.conftest import TINY
 
 # Presets whose batched logits equal the solo run bit-for-bit here (full/latent/SSM layers).
@@ -322,13 +323,13 @@ def test_warm_up_compiles_the_fused_attention_variants_only_where_the_kernel_is_
 
     model, tok, _, _ = tiny_models("tiny-llama")
     asked = []
-    monkeypatch.setattr(da, "warm_variants", lambda prefix=False: asked.append(prefix) or 8)
+    monkeypatch.setattr(da, "warm_variants", lambda prefix=False, queries=8: asked.append((prefix, queries)) or 8)
     assert "attention_variants" not in warm_up(Engine(model, tok, max_batch=4)) and asked == []
     monkeypatch.setattr(da, "enabled", lambda: True)
     stats = warm_up(Engine(model, tok, max_batch=4))
-    assert stats["attention_variants"] == 8 and asked == [False]
-    warm_up(Engine(model, tok, max_batch=4, share_min=16))
-    assert asked == [False, True]
+    assert stats["attention_variants"] == 8 and asked == [(False, 1)]  # no speculation: decode's one query
+    warm_up(Engine(model, tok, max_batch=4, share_min=16, spec=SpecConfig("lookup", 3, max_batch=4)))
+    assert asked == [(False, 1), (True, 4)]  # a verify step: the pending token and up to 3 drafts
 
 
 def test_idle_engine_gives_cached_buffers_back_after_a_poll_not_before_the_last_answer(tiny_models, monkeypatch):
