@@ -10,7 +10,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.cache.quantized import maybe_quantize
 from mlxb.constrain.grammar import apply_row_masks
 from mlxb.engine.sampler import sample_rows
@@ -82,7 +81,7 @@ class Decode:
             self.pending_geo = self._geometry()
         self.num_steps += 1
         if self.num_steps % 256 == 0:
-            trim_allocator_cache()
+            self.trim_wanted = True
         tm = self.timing
         tm["steps"] += 1
         tm["rows"] += len(rows)

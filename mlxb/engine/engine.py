@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.cache.shared import SharedBatchKVCache
 from mlxb.cache.protocol import admission_projection, layer_kinds
 from mlxb.engine.calls import EngineCalls
@@ -307,6 +308,10 @@ class Engine:
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made
+            if self.runner.trim_wanted:  # after the flush: a clear (tens of ms on CUDA) no longer delays these tokens
+                self.runner.trim_wanted = False
+                with self.device_lock:
+                    trim_allocator_cache(keep=self.scheduler.used_bytes)
 
     def accept(self, req: Request, stream: OutputStream) -> None:
         """Hand a request in on the calling thread (for drivers of a never-started engine)."""

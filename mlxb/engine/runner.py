@@ -35,7 +35,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxb.cache.protocol import DEFAULT_JOIN, ROW_OPS
 from mlxb.cache.kv_plan import as_plan, check_plan
 from mlxb.cache.quantized import maybe_quantize, quantize_now
-from mlxb.cache.allocator import trim_allocator_cache
 from mlxb.engine.compiled import CompiledDecode
 from mlxb.engine.decode import Decode
 from mlxb.engine.retire import Retire
@@ -125,6 +124,7 @@ class Runner(Retire, Decode):
         # the GIL, which mx.async_eval releases, or inside MLX)
         self.timing: dict[str, float] = defaultdict(float)
         self.pieces: Optional[list] = None  # [name, ms] of this iteration's cohort pieces while MLXB_TRACE is on
+        self.trim_wanted = False  # MLX's buffer pool may have grown: trimmed once the iteration's tokens are out
         # first full/latent layer: its buffer geometry is recorded with captured steps
         self._geo_layer = next((i for i, k in enumerate(kinds) if k in ("full", "latent")), None)
         self.lora = getattr(model, "mlxb_lora", None)  # mlxb.adapters.lora.LoRAContext when --adapters
@@ -205,7 +205,7 @@ class Runner(Retire, Decode):
             self.fwd([row], mx.array(ids[start:end])[None], row.solo)
             row.solo = maybe_quantize(row.solo, self.kinds, self.kv, end)  # where mlx-lm's generate_step converts
             mx.eval([c.state for c in row.solo])
-            trim_allocator_cache()
+            self.trim_wanted = True
 
     def first_token(self, row: Row) -> Emitted:
         """Feed the held-back last prompt token (L=1) and sample token 0 on the solo caches."""
@@ -311,7 +311,7 @@ class Runner(Retire, Decode):
         piece("token0")
         values = toks_arr.tolist()
         out = [self._emit(r, values[i], lps[i], geo[i] if geo else None) for i, r in enumerate(rows)]
-        trim_allocator_cache()
+        self.trim_wanted = True  # after the iteration's tokens are delivered (Engine.iterate), not before
         piece("emit")
         return caches, out
 

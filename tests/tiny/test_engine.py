@@ -332,6 +332,29 @@ def test_warm_up_compiles_the_fused_attention_variants_only_where_the_kernel_is_
     assert asked == [(False, 1), (True, 4)]  # a verify step: the pending token and up to 3 drafts
 
 
+def test_the_buffer_pool_is_trimmed_after_the_iterations_tokens_are_delivered(tiny_models, monkeypatch):
+    """A cohort's prefill (and a chunk's, and every 256th decode step) asks for MLX's buffer pool to be trimmed; the
+    engine does it once the iteration's tokens went out (a clear took 17-114 ms in an H100 agent loop, which the
+    cohort's first tokens waited for), keeping at least the live KV's bytes cached."""
+    import mlxb.engine.engine as engine_mod
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=4)
+    events = []
+    monkeypatch.setattr(engine_mod, "trim_allocator_cache", lambda keep=0: events.append(("trim", keep)))
+    flush = eng.delivery.flush
+    monkeypatch.setattr(eng.delivery, "flush", lambda: events.append(("flush",)) or flush())
+    rng = np.random.default_rng(3)
+    streams = [OutputStream(f"c{i}") for i in range(3)]
+    for i, st in enumerate(streams):
+        eng.accept(Request(f"c{i}", rng.integers(3, 8000, size=20 + i).tolist(), 3, ignore_eos=True), st)
+    eng.iterate()  # the three prompts: one cohort
+    assert [e[0] for e in events] == ["flush", "trim"] and events[1][1] == eng.scheduler.used_bytes > 0
+    while eng._live:
+        eng.iterate()
+    assert all(len([o for o in st if o.token is not None]) == 3 for st in streams)
+
+
 def test_idle_engine_gives_cached_buffers_back_after_a_poll_not_before_the_last_answer(tiny_models, monkeypatch):
     """Going idle clears MLX's buffer cache once, after the inbox stayed empty for a poll: never while
     the batch runs, and a request that arrives within the poll finds the buffers still cached."""
