@@ -163,16 +163,27 @@ def _placed(rows: int, size: int, parts: list) -> mx.array:
 
 def roll_rows(x: mx.array, shifts: list[int]) -> mx.array:
     """``mlx_lm.models.cache.dynamic_roll(x, shifts[:, None], axis=2)`` for a [B, H, N, D] array with
-    host-side shifts: each row rolled right by its shift along the sequence axis (rows with equal
-    shifts in a run are rolled together)."""
+    host-side shifts: each row rolled right by its shift along the sequence axis. Rows with equal shifts
+    in a run move together; with several runs, each run's two parts are written into one new buffer (every
+    element copied once, two slice updates a run) where concatenating each run and then the runs copied
+    everything twice in three ops a run: an H100 cohort of 6-9 rows took 19-143 ms rolling its 64 arrays
+    (stop 65 trace)."""
     n = x.shape[2]
-    parts, i = [], 0
+    runs, i = [], 0
     while i < len(shifts):
         j = i
         while j < len(shifts) and shifts[j] == shifts[i]:
             j += 1
-        s = shifts[i] % n
-        block = x[i:j] if (i, j) != (0, len(shifts)) else x
-        parts.append(mx.concatenate([block[:, :, n - s:], block[:, :, :n - s]], axis=2) if s else block)
+        runs.append((i, j, shifts[i] % n))
         i = j
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if len(runs) == 1:
+        s = runs[0][2]
+        return mx.concatenate([x[:, :, n - s:], x[:, :, :n - s]], axis=2) if s else x
+    out = mx.zeros(x.shape, dtype=x.dtype)
+    for i, j, s in runs:
+        if s == 0:
+            out[i:j] = x[i:j]
+            continue
+        out[i:j, :, s:] = x[i:j, :, :n - s]
+        out[i:j, :, :s] = x[i:j, :, n - s:]
+    return out

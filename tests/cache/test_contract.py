@@ -389,3 +389,21 @@ def test_quantized_ring_is_stored_as_mlx_lm_classes_and_comes_back(tmp_path):
     assert snap.is_stored_ring(back) and snap.layer_nbytes(back) == ring.nbytes
     lent = snap.lend(back, "rotating", None)
     assert (lent.bits, lent.group_size) == (8, 32) and ring_same(lent, ring)
+
+
+def test_roll_rows_equals_mlx_lms_dynamic_roll_for_any_shifts():
+    """The cohort's roll (several runs of equal shifts placed into one buffer, one run concatenated) gives
+    mlx-lm's ``dynamic_roll`` bit for bit, whatever lies in the wrapped tail, shifts past the length included."""
+    import numpy as np
+    from mlx_lm.models.cache import dynamic_roll
+
+    from mlxb.cache.dense import roll_rows
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        B, N = int(rng.integers(1, 7)), int(rng.integers(1, 20))
+        x = mx.array(rng.standard_normal((B, 2, N, 3)).astype(np.float32))
+        shifts = [int(v) for v in rng.integers(0, N + 3, size=B)]
+        if trial % 3 == 0:
+            shifts = sorted(shifts)  # runs of equal shifts
+        assert mx.array_equal(roll_rows(x, shifts), dynamic_roll(x, mx.array(shifts)[:, None], axis=2)).item()
