@@ -13,8 +13,9 @@ from rich.table import Table
 from mlxb.commands._common import KV_ATTENTION_DEFAULT, KV_ATTENTION_HELP, DtypeOpt, ModelOpt, apply_kv_attention, cli_errors, console, status
 
 
-def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
-    """Label the result (machine, versions, model, date) and write it."""
+def _write(res: dict, kind: str, spec, out: Optional[Path], quiet: bool = False) -> None:
+    """Label the result (machine, versions, model, date) and write it (``quiet``: a partial result, rewritten as
+    the run goes on)."""
     from mlxb.bench.store import result_file
     from mlxb.doctor import report
 
@@ -23,7 +24,8 @@ def _write(res: dict, kind: str, spec, out: Optional[Path]) -> None:
     out = out or result_file(kind, spec.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str))
-    console.print(f"wrote {out}")
+    if not quiet:
+        console.print(f"wrote {out}")
 
 
 def _ints(text: str, flag: str, example: str) -> tuple:
@@ -118,9 +120,14 @@ def _spec_sweep(model, dtype, spec, draft_model, k, ngram, max_batch, pipeline, 
     m, tok, mspec, _ = load_model(model, dtype)
     cfg = build_spec(m, tok, "draft" if draft_model and spec == "lookup" else spec, k, ngram, draft_model, dtype,
                      max_batch, adaptive=True, pipeline=pipeline)
+    if out is None:  # one file for the partial results and the whole
+        from mlxb.bench.store import result_file
+
+        out = result_file("spec-sweep", mspec.name)
     with status("sweeping ...") as st:
         res = sweep(m, tok, spec=cfg, fixed=tuple(fixed), misses=misses, batches=bs, context=context, gen=gen,
-                    repeats=repeats, progress=lambda s: st.update(f"sweeping: {s}"))
+                    repeats=repeats, progress=lambda s: st.update(f"sweeping: {s}"),
+                    checkpoint=lambda part: _write(part, "spec-sweep", mspec, out, quiet=True))
     arms = ["auto", *[f"fixed{x}" for x in fixed]]
     t = Table(title=f"decode tok/s over plain, replay proposer (draft tokens wrong with probability P), "
                     f"controller up to K={k} vs fixed K — {mspec.name}, {context}-token prompts, {repeats} repeats")

@@ -27,7 +27,10 @@ from mlxb.spec.verify import SpecConfig
 
 def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses: tuple[float, ...],
           batches=(1, 8), context: int = 512, gen: int = 64, repeats: int = 3, prefill_chunk: int = 2048,
-          progress: Optional[Callable[[str], None]] = None) -> dict:
+          progress: Optional[Callable[[str], None]] = None,
+          checkpoint: Optional[Callable[[dict], None]] = None) -> dict:
+    """``checkpoint(result)`` receives the result so far (``complete`` False) after every repeat of every batch
+    size, so a run cut short (a device's time limit) still leaves what it measured."""
     say = progress or (lambda s: None)
     vocab = int(getattr(model.args, "vocab_size", 8192))
     B = max(max(batches), 2)
@@ -42,6 +45,9 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
         warm_up(e)
         e.start()
     kmax = max([spec.num_draft_tokens, *fixed])
+    config = {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "fixed": list(fixed),
+              "misses": list(misses), "batches": list(batches), "context": context, "gen": gen,
+              "repeats": repeats, "pipeline": spec.pipeline, "regime": "replay"}
     rows = []
     try:
         for b in batches:
@@ -87,13 +93,12 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                             r["ratio"] = (r["tok_s"] / plain if arm != "plain" and plain and r["tok_s"] is not None
                                           else None)
                             rows.append(r)
+                if checkpoint is not None:
+                    checkpoint({"config": config, "rows": list(rows), "summary": summarize(rows), "complete": False})
     finally:
         for e in engines.values():
             e.shutdown()
-    return {"config": {"method": spec.method, "num_draft_tokens": spec.num_draft_tokens, "fixed": list(fixed),
-                       "misses": list(misses), "batches": list(batches), "context": context, "gen": gen,
-                       "repeats": repeats, "pipeline": spec.pipeline, "regime": "replay"},
-            "rows": rows, "summary": summarize(rows)}
+    return {"config": config, "rows": rows, "summary": summarize(rows), "complete": True}
 
 
 def plain_step_ms(before: dict, after: dict) -> dict:

@@ -64,8 +64,11 @@ def test_sweep_runs_every_arm_at_every_miss(tiny_models):
     from mlxb.bench.spec_sweep import sweep
 
     model, tok = tiny_models("tiny-llama")[:2]
+    parts = []
     res = sweep(model, tok, spec=SpecConfig(num_draft_tokens=3, max_batch=4), fixed=(2,), misses=(0.0, 1.0),
-                batches=(2,), context=48, gen=12, repeats=1)
+                batches=(2,), context=48, gen=12, repeats=1, checkpoint=parts.append)
+    # a run cut short keeps what it measured: the result so far after each repeat, then the whole
+    assert len(parts) == 1 and not parts[0]["complete"] and parts[0]["rows"] == res["rows"] and res["complete"]
     arms = {(r["miss"], r["arm"]) for r in res["rows"]}
     assert arms == {(m, a) for m in (0.0, 1.0) for a in ("plain", "auto", "fixed2")}
     fixed = {r["miss"]: r for r in res["rows"] if r["arm"] == "fixed2"}
