@@ -26,15 +26,17 @@ def test_concurrent_requests_speculate_and_report_usage(spec_server):
         return sdk.completions.create(model="tiny-llama", prompt=text, max_tokens=24, temperature=0,
                                       extra_body={"num_draft_tokens": k, "ignore_eos": True})
 
-    with cf.ThreadPoolExecutor(4) as ex:
-        outs = list(ex.map(ask, [4, 4, 2, 0]))
+    with cf.ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(ask, [4, 4, 2]))
     plain = ask(0)
     assert all(o.choices[0].text == plain.choices[0].text for o in outs)  # greedy: speculation changes no token
+    assert plain.usage.model_dump().get("draft_tokens") is None  # 0 turns it off for that request
     usage = [o.usage.model_dump() for o in outs]
-    assert usage[3].get("draft_tokens") is None  # 0 turns it off for that request
-    assert all(u["draft_tokens"] >= u["accepted_tokens"] >= 0 for u in usage[:3])
+    assert all(u["draft_tokens"] >= u["accepted_tokens"] >= 0 for u in usage)
     st = httpx.get(spec_server.url + "/stats").json()["engine"]["speculation"]
-    assert st["method"] == "lookup" and st["active"] and st["drafted"] == sum(u["draft_tokens"] for u in usage[:3]) > 0
+    # a row that asked for no drafts is never in a verify step's batch (MLXB_SPEC_BATCH=every, docs/speculation.md),
+    # so the speculating requests run together and without one
+    assert st["method"] == "lookup" and st["active"] and st["drafted"] == sum(u["draft_tokens"] for u in usage) > 0
 
 
 @pytest.mark.parametrize("bad", [-1, 33, "4", True])
