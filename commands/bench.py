@@ -3,7 +3,6 @@
 import typer
 
 import json
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -228,7 +227,7 @@ def engine(
         return tp_bench.__wrapped__(model=model, dtype=dtype, tp=tp, batches=batches, prompt_len=prompt_len, gen=gen,
                                     repeats=repeats, prefill_len=prefill_len, out=out)
     from mlxb.bench.engine import run
-    from mlxb.doctor import report
+    from mlxb.bench.store import json_labels
     from mlxb.errors import ValidationError
     from mlxb.models import load_model
 
@@ -270,8 +269,7 @@ def engine(
     finally:
         if srv is not None:
             srv.stop()
-    res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype, "kv_attention": kv_attention,
-                     "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    res["labels"] = json_labels(spec.name, spec.dtype, kv_attention=kv_attention)
     t = Table(title=f"mlxb bench engine — {spec.name} on {res['labels']['machine_key']} (ratio = ours / mlx-lm)")
     for c in ("metric", "B", "ours (median)", "mlx-lm (median)", "ratio min", "ratio median", "ratio max"):
         t.add_column(c)

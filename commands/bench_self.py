@@ -3,7 +3,6 @@ decoding; quantized KV against full width; shared-prefix KV against copies), res
 ``shared``) under reports/results/."""
 
 import json
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,11 +15,9 @@ from mlxb.commands._common import KV_ATTENTION_DEFAULT, KV_ATTENTION_HELP, Dtype
 def _write(res: dict, kind: str, spec, out: Optional[Path], quiet: bool = False) -> None:
     """Label the result (machine, versions, model, date) and write it (``quiet``: a partial result, rewritten as
     the run goes on)."""
-    from mlxb.bench.store import result_file
-    from mlxb.doctor import report
+    from mlxb.bench.store import json_labels, result_file
 
-    res["labels"] = {**report(measure=False), "model": spec.name, "dtype": spec.dtype,
-                     "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    res["labels"] = json_labels(spec.name, spec.dtype)
     out = out or result_file(kind, spec.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str))

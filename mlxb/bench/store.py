@@ -66,6 +66,15 @@ def labels(model: str, dtype: Optional[str], bench: str) -> dict:
     }
 
 
+def json_labels(model: str, dtype: Optional[str], **extra) -> dict:
+    """Labels of a JSON result (bench engine, spec, kv): the machine and versions (``mlxb doctor``), the commit,
+    model, dtype and date."""
+    from mlxb.doctor import report
+
+    return {**report(measure=False), "model": model, "dtype": dtype, "git_commit": git_commit(), **extra,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
 def write_run(root: Path, lab: dict, requests: list[dict], summaries: list[dict], complete: bool = True) -> Path:
     """Write ``requests.parquet``, ``summary.parquet`` and ``summary.json`` under ``root/<run_id>/``
     (``complete`` False: the phases so far of a run still going, rewritten as it goes; summary.json says so)."""

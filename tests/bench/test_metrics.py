@@ -258,3 +258,14 @@ def test_forced_tool_rows_and_their_control_mark_the_same_positions():
         rs.append(r)
     s = L.summarize(rs)
     assert s["constrained"] == 1 and s["p50_tpot_free"] == pytest.approx(0.01)
+
+
+def test_json_results_carry_the_commit_machine_and_model(monkeypatch):
+    """bench engine / spec / kv JSON results name the code they measured (the lent GPU machines pass it through
+    MLXB_GIT_COMMIT, their tree's history being stale), besides the machine and the model."""
+    from mlxb.bench.store import json_labels
+
+    monkeypatch.setenv("MLXB_GIT_COMMIT", "abc1234")
+    lab = json_labels("tiny-llama", "float32", kv_attention="fused")
+    assert lab["git_commit"] == "abc1234" and lab["model"] == "tiny-llama" and lab["kv_attention"] == "fused"
+    assert lab["machine_key"] and lab["versions"]["mlx"] and lab["date"].startswith("20")
