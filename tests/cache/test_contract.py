@@ -201,10 +201,13 @@ def test_a_merge_with_room_steps_in_place_and_equals_mlx_lm_where_rows_hold_toke
         assert not mx.any(ours.keys[r, :, :p]).item()  # what the roll wrapped to the front: never written
 
 
+@pytest.mark.parametrize("stepped", ["joining", "batch"])
 @pytest.mark.parametrize("a,b", [([9, 4], [3, 12, 7]), ([5, 5], [5]), ([12], [2, 3]), ([3, 8], [14])])
-def test_extend_equals_mlx_lm_bit_for_bit(a, b):
+def test_extend_equals_mlx_lm_bit_for_bit(a, b, stepped):
     """A join's extend (both sides written once into one buffer where one needs padding) gives exactly mlx-lm's
-    BatchKVCache arrays, offsets, paddings and write position, the capacity left after the rows included."""
+    BatchKVCache arrays, offsets, paddings and write position, the capacity left after the rows included.
+    ``stepped``: which side ran a decode step (capacity past its rows). A running batch with that capacity and
+    a cohort with longer rows is the agent loop's join: mlx-lm trims the batch's spare tail there."""
     from mlx_lm.models.cache import BatchKVCache
 
     from mlxb.cache.protocol import AlignedBatchKVCache
@@ -212,8 +215,9 @@ def test_extend_equals_mlx_lm_bit_for_bit(a, b):
     def run(cls):
         x = cls.merge([kv_solo(r, n) for r, n in enumerate(a)])
         y = cls.merge([kv_solo(10 + r, n) for r, n in enumerate(b)])
-        step = mx.ones((len(b), H, 1, D))  # one decode step on the joining side: capacity past its rows
-        y.update_and_fetch(step, -step)
+        side, rows = (y, len(b)) if stepped == "joining" else (x, len(a))
+        step = mx.ones((rows, H, 1, D))
+        side.update_and_fetch(step, -step)
         x.extend(y)
         return x
 
