@@ -226,9 +226,9 @@ def pays(r) -> bool:
     """A verify step is taken by the whole batch: every row pays its cost (``StepCost``), while only the
     speculating rows gain more than one token. Worth it when every row's expected tokens per step (a
     speculating row's 1 + alpha + ... + alpha^k, any other row's 1) reach the measured cost in plain steps
-    (``BATCH_RULE`` "mean": their average does), or the measured cost is stale and the rows' expected tokens
-    average ``PROBE_GAIN`` (with --spec-fixed: always): rows whose shadow drafts show no acceptance do not pay
-    for a probe.
+    (``BATCH_RULE`` "mean": their average does), or the measured cost is stale and the same measure (every
+    row's, or the average) reaches ``PROBE_GAIN`` (with --spec-fixed: always): rows whose shadow drafts show no
+    acceptance do not pay for a probe, nor does a row without drafts beside rows with them.
 
     Prompt lookup's rows count only with evidence of their acceptance (verify steps or shadow drafts, not
     the starting guess), at any batch size: probes at the guess with random prompts cost B=8 a fifth of
@@ -247,12 +247,13 @@ def pays(r) -> bool:
     guess = not getattr(getattr(r, "proposer", None), "shadows", False)  # a verify step is its only check
     gains = [gain(row.spec) if row.spec is not None and row.spec.cooldown == 0
              and (row.spec.evidence or guess) else 1.0 for row in r.rows]
-    total = sum(gains)
-    need = min(gains) if BATCH_RULE == "every" else total / n  # what the batch's rows must clear (module notes)
+    need = min(gains) if BATCH_RULE == "every" else sum(gains) / n  # what the batch's rows must clear (module notes)
     if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty
         bar = (MIN_GAIN if cost.stale_at(n) else cost.ratio_at(n, True)) * cost.penalty_at(n)
         return need >= bar
-    return need >= cost.ratio_at(n) or (cost.stale_at(n) and total >= PROBE_GAIN * n)
+    # a probe, too, is paid by every row: under the every-row rule one row without drafts keeps it off (its result
+    # could not open the bar for that batch, whose need is 1 token)
+    return need >= cost.ratio_at(n) or (cost.stale_at(n) and need >= PROBE_GAIN)
 
 
 def shadow(r, proposer) -> None:

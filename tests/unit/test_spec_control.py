@@ -123,6 +123,9 @@ def test_no_row_pays_for_another_rows_drafts(monkeypatch):
     every = NS(spec=SpecConfig(), rows=[good() for _ in range(8)], step_cost=cost)
     assert abs(cost.ratio_at(8) - 2.3) < 1e-9
     assert not pays(mixed) and not pays(plain_rows) and pays(every)
+    for _ in range(int(StepCost.PROBE * 2.3) + 1):  # the measured cost goes stale: a probe is due
+        cost.observe(False, 0.010, rows=8)
+    assert cost.stale_at(8) and not pays(plain_rows) and pays(every)  # the probe, too, only where every row gains
     monkeypatch.setattr(control, "BATCH_RULE", "mean")
     assert pays(mixed) and pays(plain_rows) and pays(every)
 
