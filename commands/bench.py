@@ -47,6 +47,8 @@ def load(
     api_key: Optional[str] = typer.Option(None, "--api-key"),
     api: str = typer.Option("chat", "--api", help="Endpoint for chat payloads: chat (/v1/chat/completions), responses (/v1/responses) or messages (Anthropic's /v1/messages)."),
     one_server: bool = typer.Option(False, "--one-server", help="Start one stack at a time (every repeat of mlxb, then every repeat of --peer, on the same text) instead of both up front, A/B alternated: for a model whose two servers do not fit the device together."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="Sent with every request (agent clients sample; default: the servers' own, greedy on both mlxb and mlx_lm.server)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Sent with every request, as --temperature."),
     forced_tools: int = typer.Option(0, "--forced-tools", min=0, help="random: every K-th request carries tools, run twice: tool_choice auto (no grammar), then required (a forced call, a grammar row); rows report the TPOT of the requests without tools (p50_tpot_free)."),
 ) -> None:
     """Load an OpenAI-compatible server over streaming SSE; optionally the same load on mlx_lm.server."""
@@ -105,12 +107,13 @@ def load(
     else:
         raise ValidationError(f"--dataset {dataset!r}: use random, shared-prefix, multi-turn, agent-loop or a .jsonl file")
     cell.requests = requests
+    cell.params.update({k: v for k, v in (("temperature", temperature), ("top_p", top_p)) if v is not None})
     cells = [cell]
     if forced_tools:
         if dataset != "random":
             raise ValidationError("--forced-tools goes with --dataset random")
         cells = [Cell(f"{cell.name}-{name}{forced_tools}", "random", dict(cell.lengths),
-                      params={"forced_every": forced_tools, "forced_choice": choice}, concurrency=levels,
+                      params={**cell.params, "forced_every": forced_tools, "forced_choice": choice}, concurrency=levels,
                       output_len=output_len, requests=requests) for name, choice in (("tools", "auto"), ("forced", "required"))]
     if dataset == "agent-loop":
         cell.requests, cell.requests_per_slot = None, turns  # every agent runs its whole loop

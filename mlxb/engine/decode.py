@@ -22,7 +22,10 @@ class Decode:
     """Runner methods that run a decode step (see the module notes)."""
 
     def _needs_vectors(self, row) -> bool:
-        return self.capture is not None or not row.plain
+        """The row's log-prob vector is read with its token: parity captures, or the request reports logprobs
+        (a sampled row that asks for none kept a [1, V] copy a step for nothing)."""
+        sp = row.req.sampling
+        return self.capture is not None or bool(sp.logprobs or sp.top_logprobs)
 
     def decode_step(self) -> list:
         """A verify step where some row has drafts (--spec), otherwise a plain pipelined step."""

@@ -4,6 +4,12 @@ Filter order and math follow mlx-lm's ``make_sampler`` (top_p, min_p, XTC, top_k
 categorical draw at ``1/temp``), so greedy rows are bit-identical to mlx-lm. The difference is the
 random key: a row with a seed draws from its own key stream (split once per step), independent of
 its siblings and of arrival order; a row without one gets a fresh key from a process counter.
+
+The draw is the Gumbel-max trick over the row's logits as a vector (MLX's ``categorical`` of a 1-D array):
+vectorised over rows (``mx.vmap``), several rows with the same sampling parameters draw in one set of ops,
+each from its own key, and a row's tokens do not depend on which rows it shares a step with. Drawing row by
+row cost about 12 device ops per sampled row per step (MLX's 2-D ``categorical`` is an inverse-CDF search
+that does not vectorise over keys): at 32 sampled rows on this CPU a step took ~20% longer than greedy.
 """
 
 from __future__ import annotations
@@ -49,7 +55,16 @@ class RowSampler:
         """``logprobs``: [1, V] (already processed and normalized). Returns [1] token ids."""
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
-        return mx.random.categorical(self.draw_logits(logprobs), key=self.next_key())
+        return mx.random.categorical(self.draw_logits(logprobs).reshape(-1), key=self.next_key()).reshape(1)
+
+    def group(self, masked: bool):
+        """The parameters under which this row draws together with others (``sample_rows``), or None: greedy
+        rows (one argmax serves them), rows with processors (each has its own token context), XTC (a draw of
+        its own) and a grammar row whose mask is not applied yet."""
+        p = self.params
+        if self.greedy or self.processors or p.xtc_probability > 0.0 or (self.constraint is not None and not masked):
+            return None
+        return (p.temperature, p.top_p, p.min_p, p.min_tokens_to_keep, p.top_k)
 
     def draw_logits(self, logprobs: mx.array) -> mx.array:
         """The unnormalized log-distribution a non-greedy row draws from (filters, then 1/temp)."""
@@ -97,17 +112,42 @@ class RowSampler:
         return self.sample(logprobs), logprobs
 
 
+def _draw(x: mx.array, keys: mx.array) -> mx.array:
+    """Row ``i`` of ``x`` [n, V] drawn with ``keys[i]``: the same tokens as ``RowSampler.sample`` row by row."""
+    return mx.vmap(lambda row, key: mx.random.categorical(row, key=key))(x, keys)
+
+
 def sample_rows(rows: list, inputs: mx.array, logits: mx.array, masked: bool = False) -> tuple[mx.array, list]:
     """Per-row processors and sampler over batch ``logits`` ([n, V]) whose step consumed ``inputs``
-    ([n]). Returns the sampled tokens ([n]) and each row's logprobs ([1, V])."""
-    toks, lps = [], []
+    ([n]). Returns the sampled tokens ([n]) and each row's logprobs ([1, V]). Rows with the same sampling
+    parameters (``RowSampler.group``) are drawn together, each with its own key; the others one by one."""
+    groups: dict = {}
     for i, r in enumerate(rows):
-        if r.context is not None:
-            r.context = mx.concatenate([r.context, inputs[i : i + 1]])
-        tok, lp = r.sampler(r.context, logits[i : i + 1], masked)
-        toks.append(tok.reshape(1))
-        lps.append(lp)
-    return mx.concatenate(toks), lps
+        g = r.sampler.group(masked)
+        groups.setdefault(g if g is not None else ("row", i), []).append(i)
+    parts, order, lps = [], [], [None] * len(rows)
+    for g, idx in groups.items():
+        if g[0] == "row" or len(idx) == 1:
+            for i in idx:
+                r = rows[i]
+                if r.context is not None:
+                    r.context = mx.concatenate([r.context, inputs[i : i + 1]])
+                tok, lps[i] = r.sampler(r.context, logits[i : i + 1], masked)
+                parts.append(tok.reshape(1))
+                order.append(i)
+            continue
+        x = logits if len(idx) == len(rows) else logits[mx.array(idx)]
+        lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        split = mx.vmap(mx.random.split)(mx.stack([rows[i].sampler._key for i in idx]))  # [m, 2, 2]: next, this step
+        for j, i in enumerate(idx):
+            rows[i].sampler._key = split[j, 0]
+            lps[i] = lp[j : j + 1]
+        parts.append(_draw(rows[idx[0]].sampler.draw_logits(lp), split[:, 1]))
+        order.extend(idx)
+    toks = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    if order != list(range(len(rows))):
+        toks = toks[mx.array(np.argsort(order))]
+    return toks, lps
 
 
 def token_logprob(sp: SamplingParams, token: int, logprobs: Optional[mx.array], capture=None) -> Optional[TokenLogprob]:
