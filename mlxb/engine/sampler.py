@@ -9,7 +9,8 @@ The draw is the Gumbel-max trick over the row's logits as a vector (MLX's ``cate
 vectorised over rows (``mx.vmap``), several rows with the same sampling parameters draw in one set of ops,
 each from its own key, and a row's tokens do not depend on which rows it shares a step with. Drawing row by
 row cost about 12 device ops per sampled row per step (MLX's 2-D ``categorical`` is an inverse-CDF search
-that does not vectorise over keys): at 32 sampled rows on this CPU a step took ~20% longer than greedy.
+that does not vectorise over keys); served at temperature 0.7, 32 clients, this CPU: 1.01x of mlx_lm.server's
+tok/s before, 1.31x after (reports/cpu/sampling-stop66).
 """
 
 from __future__ import annotations
