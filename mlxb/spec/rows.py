@@ -108,7 +108,7 @@ def greedy_keep(r, row, p: list[int], choice: list[int], lps: mx.array, geo=None
     a = 0
     while a < len(p) and p[a] == choice[a]:
         a += 1
-    want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
+    want_lp = r._needs_vectors(row)
     out = []
     for j, t in enumerate(choice[: a + 1]):
         out.append(r._emit(row, t, lps[j : j + 1] if want_lp else None, geo))

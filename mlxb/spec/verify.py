@@ -183,7 +183,7 @@ def verify_step(r, props: list[list[int]]) -> list:
     for i, row in enumerate(rows):
         p = props[i]
         fast = row.sampler.greedy and not row.sampler.processors and (row.sampler.constraint is None or i in masked)
-        want_lp = r._needs_vectors(row) or row.req.sampling.logprobs
+        want_lp = r._needs_vectors(row)
         toks = []
         if fast:
             emitted, a = greedy_keep(r, row, p, choice[i], lp_all[i], geo[i])
