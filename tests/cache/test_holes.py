@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mlxb.cache.protocol import ROW_OPS
-from tests.cache.test_contract import D_, H, QD, kv_solo, q_same, q_solo, same
+from tests.cache.test_contract import D_, H, kv_solo, same
+from tests.cache.test_contract_quantized import QD, q_same, q_solo
 
 
 # ---- speculative rollback: rejected entries as holes (mlxb/cache/holes.py) -------------------------
