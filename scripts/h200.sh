@@ -69,7 +69,7 @@ m,t,_,_=load_model(sys.argv[1]); json.dump(f(m,t), open(sys.argv[2],'w'), indent
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     mkdir -p /tmp/bench && cd /tmp/bench
     export MLXB_TRACE="${MLXB_TRACE:-$OUT/trace-agents-PID.jsonl}"; MLXB_TRACE="${MLXB_TRACE/PID/\{pid\}}"  # a file per server
-    timeout ${LIMIT:-560} python3 -m mlxb.commands.main bench load -m /var/tmp/$m --peer mlx-lm ${ONE---one-server} --batch 64 \
+    timeout ${LIMIT:-560} python3 -m mlxb.commands.main bench load -m /var/tmp/$m ${PEER---peer mlx-lm} ${ONE---one-server} --batch 64 \
       --dataset shared-prefix --system-len ${SYSTEM:-2048} --concurrency ${LEVELS:-8,32} --requests ${REQUESTS:-32} \
       --output-len 128 --repeats ${REPEATS:-2} --ttft-threshold 2.0 2>&1 | grep -v Warning | tail -${TAIL:-24}
     for f in $OUT/trace-agents*.jsonl; do [ -s "$f" ] && gzip -f "$f"; done
@@ -509,8 +509,9 @@ PY
       --replay-miss ${MISSES:-0,0.1,0.3,0.6,1.0} --batches ${BATCHES:-1,8,32} --spec-max-batch 64 --num-draft-tokens ${K:-8} \
       --context 512 --gen ${GEN:-64} --repeats ${REPEATS:-3} --out "$OUT/spec-sweep.json" 2>&1 | grep -v Warning | tail -${TAIL:-40} ;;
   toolmask)  # issue 48: the engine step with every 2nd row forced to call a tool against all rows free, in process
+             # (ARMS="base one t2": as shipped, one launch a step, llguidance's pool at 2 threads; ROUNDS interleaves them)
     m=synth-llama-8b
     [ -d /var/tmp/$m ] || { t0=$(date +%s); mlxb models build $m --out /var/tmp/$m >/dev/null; echo "built $m in $(( $(date +%s) - t0 ))s"; }
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout ${LIMIT:-150} python3 scripts/grammar_cost.py /var/tmp/$m --batches ${BATCHES:-8,32} --steps 32 \
-      --every 2 --grammar tool --out "$OUT/toolmask.json" 2>&1 | grep -v Warning ;;
+      --every 2 --grammar tool --arms ${ARMS:-base} --rounds ${ROUNDS:-1} --out "$OUT/toolmask.json" 2>&1 | grep -v Warning ;;
 esac

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+import os
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -60,6 +61,17 @@ def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
 _EXECUTOR: list = []
 
 
+def grammar_threads() -> Optional[int]:
+    """Threads of llguidance's pool that fills a step's masks (``MLXB_GRAMMAR_THREADS``; unset: llguidance's
+    default, 80% of the CPUs up to 32)."""
+    v = os.environ.get("MLXB_GRAMMAR_THREADS", "").strip()
+    if not v:
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"MLXB_GRAMMAR_THREADS must be a positive integer, not {v!r}")
+    return int(v)
+
+
 def batch_bitmask(constraints: list["Constraint"]) -> np.ndarray:
     """The next-token bitmasks of several rows, [n, words]: live matchers are filled together by
     llguidance's thread pool (Rust, without the GIL); completed or failed ones allow only the end."""
@@ -79,7 +91,7 @@ def batch_bitmask(constraints: list["Constraint"]) -> np.ndarray:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         if not _EXECUTOR:
-            _EXECUTOR.append(llguidance.LLExecutor())
+            _EXECUTOR.append(llguidance.LLExecutor(grammar_threads()))
         fill_next_token_bitmask_par(_EXECUTOR[0], live, out)
     return out
 
@@ -196,6 +208,7 @@ class Grammars:
     """The llguidance tokenizer of one model, and request formats compiled against it."""
 
     def __init__(self, tokenizer, n_vocab: int, eos_ids: list[int]):
+        grammar_threads()  # a bad MLXB_GRAMMAR_THREADS fails at start, not at the first constrained step
         import llguidance
         import llguidance.hf
 

@@ -196,3 +196,21 @@ def test_draft_walk_stops_at_a_forbidden_draft_or_the_grammar_end_and_leaves_the
     allowed = lambda m, t: bool((int(m[t // 32]) >> (t % 32)) & 1)
     assert allowed(masks[2], ab[0]) and not allowed(masks[3], ab[0]) and allowed(masks[3], bang[0])
     assert (c.bitmask() == before).all() and not c.done and c.consumed == 0  # rolled back
+
+
+def test_grammar_threads_setting_gives_the_same_masks_and_refuses_bad_values(llama, monkeypatch):
+    import mlxb.constrain.grammar as G
+
+    model, tok, g = llama
+    gs, gr = g.validate(g.from_schema(SCHEMA, "s"), "s"), g.validate(g.from_regex(REGEX, "r"), "r")
+    rows = [g.constraint(gs, "json"), g.constraint(gr, "regex"), g.constraint(gs, "json")]
+    rows[2].advance(tok.encode('{"', add_special_tokens=False))  # a row past its start: a different mask
+    monkeypatch.setattr(G, "_EXECUTOR", [])
+    default = G.batch_bitmask(rows)
+    monkeypatch.setenv("MLXB_GRAMMAR_THREADS", "1")
+    monkeypatch.setattr(G, "_EXECUTOR", [])
+    one = G.batch_bitmask(rows)
+    assert (default == one).all() and not (one[0] == one[2]).all()
+    monkeypatch.setenv("MLXB_GRAMMAR_THREADS", "zero")
+    with pytest.raises(ValueError, match="MLXB_GRAMMAR_THREADS"):
+        G.grammar_threads()
