@@ -13,12 +13,15 @@ import os
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
 MISS_LIMIT, COOLDOWN, MAX_COOLDOWN = 4, 16, 128  # lookups that find nothing; steps without proposals
 ALPHA0, MIN_GAIN = 0.7, 2.0  # starting acceptance estimate; tokens a verify step must be expected to give
-PRIOR, DECAY = 2.0, 0.6  # the starting estimate weighs as 2 draft positions; each check keeps 0.6 of the weight before
+PRIOR, DECAY = 2.0, 0.75  # the starting estimate weighs as 2 draft positions; each check keeps 0.75 of the weight before
+POOL_W = 4.0  # draft positions that the batch's pooled acceptance weighs in each row's estimate (``gain``)
+SHADOW_SPREAD = 8  # rows without evidence get shadow drafts up to one in this many rows a step (``shadow``)
 PROBE_GAIN = 1.5  # a stale cost is probed only for rows expected to gain this much (it may have been a compile)
 # MLXB_SPEC_CHEAP_VERIFY=C: where a verify step costs at most C plain steps, a row keeps drafting the longest instead
 # of shrinking after a partly kept block (``RowSpec.adapt``); 0 turns it off. 1.5 by default: on the H200 (8B, B=8,
@@ -52,6 +55,7 @@ class RowSpec:
     full: float = 0.5  # running rate of verify steps whose drafts all held (``mlxb.spec.ahead``)
     shadow: list = field(default_factory=list)  # lookup drafts made while plain, checked against what follows
     shadow_at: int = 0  # the row's token count when they were made
+    shadowed: int = -1  # the runner's step count when it last looked drafts up while plain (-1: never)
     _buf: np.ndarray = field(default=None, repr=False)  # prompt + emitted tokens, grown in place (``history``)
     _seen: int = 0
 
@@ -72,7 +76,7 @@ class RowSpec:
             self._seen = len(tokens)
         return self._buf[:n]
 
-    def adapt(self, n: int, a: int, cost: float = MIN_GAIN) -> None:
+    def adapt(self, n: int, a: int, cost: float = MIN_GAIN, pooled: Optional[float] = None) -> None:
         """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
         length, and a pause (doubling while it keeps failing) when the tokens a verify step is expected
         to give, 1 + alpha + ... + alpha^k, fall below ``cost``: what a verify step costs in plain steps
@@ -88,7 +92,7 @@ class RowSpec:
         self.k = self.kmax if cheap else min(self.kmax, self.k + 1) if a == n else max(1, a + 1)
         self.full = 0.7 * self.full + 0.3 * (a == n)
         self.learn(n, a)
-        if gain(self) < cost:
+        if gain(self, pooled) < cost:
             self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
             self.alpha, self.weight, self.k = ALPHA0, PRIOR, self.kmax  # probe again after the pause, at full length
         else:
@@ -205,13 +209,30 @@ class StepCost:
         return self.stale_at(self.rows)
 
 
-def gain(st: RowSpec) -> float:
+def gain(st: RowSpec, pooled: Optional[float] = None) -> float:
     """Tokens a verify step is expected to give a speculating row: 1 + alpha + ... + alpha^kmax. At the
     longest draft, not the current one: a row whose draft length fell after a rejection would otherwise
     be held under a bar it can only clear by speculating (measured on the H200: one rejection put k at 1,
-    1 + alpha stayed under a cost of 2.1, and the row never drafted again)."""
-    a = st.alpha
+    1 + alpha stayed under a cost of 2.1, and the row never drafted again). With ``pooled`` (the batch's
+    acceptance, ``pooled_alpha``) the row's estimate is drawn toward it by ``POOL_W`` draft positions over the
+    row's checks so far: one early miss (a check of one position) put a row whose true acceptance was 0.9 at
+    0.38, and under the every-row rule a batch of 32 such rows (the sweep's replay proposer, 10% of drafts wrong,
+    verify at two plain steps) never verified. The pool's weight falls with each check of the row's own, so a
+    row whose drafts keep failing at once (each check one position, its own weight ~2.5) is soon judged by them
+    alone and still keeps its batch plain."""
+    w = POOL_W
+    a = st.alpha if pooled is None else (st.alpha * st.weight + w * pooled) / (st.weight + w)
     return float(st.kmax + 1) if a >= 1.0 else (1.0 - a ** (st.kmax + 1)) / (1.0 - a)  # the geometric sum
+
+
+def pooled_alpha(rows) -> Optional[float]:
+    """The acceptance of the batch's speculating rows with evidence, weighted by their evidence (None: none has)."""
+    num = den = 0.0
+    for row in rows:
+        st = row.spec
+        if st is not None and st.evidence and st.cooldown == 0:
+            num, den = num + st.alpha * st.weight, den + st.weight
+    return num / den if den > 0 else None
 
 
 def aligned(r) -> bool:
@@ -245,7 +266,8 @@ def pays(r) -> bool:
         return True
     n, cost, flat = len(r.rows), r.step_cost, aligned(r)
     guess = not getattr(getattr(r, "proposer", None), "shadows", False)  # a verify step is its only check
-    gains = [gain(row.spec) if row.spec is not None and row.spec.cooldown == 0
+    r.spec_pooled = pooled = pooled_alpha(r.rows)  # (``tally`` reads it for the rows' pauses after this step)
+    gains = [gain(row.spec, pooled) if row.spec is not None and row.spec.cooldown == 0
              and (row.spec.evidence or guess) else 1.0 for row in r.rows]
     need = min(gains) if BATCH_RULE == "every" else sum(gains) / n  # what the batch's rows must clear (module notes)
     if flat:  # a stale cost (a first-shape compile, say) counts as the default, with the mask's penalty
@@ -258,8 +280,11 @@ def pays(r) -> bool:
 
 def shadow(r, proposer) -> None:
     """On a plain step of adaptive lookup speculation: settle each row's shadow drafts against the
-    tokens it emitted since (prefix held, as a verify step would keep), and make new ones for one row
-    (round robin: a lookup costs host time, about 35-70 us here)."""
+    tokens it emitted since (prefix held, as a verify step would keep), and make new ones (a lookup costs
+    host time, about 35-70 us here): for one row a step, the one that waited longest, and while rows have
+    no evidence yet for up to one in ``SHADOW_SPREAD`` of the batch, those first. Under the every-row rule a
+    row without evidence keeps its batch plain, and one row a step chosen by ``step % free rows`` left some
+    rows of 32 without any for 98 steps (the sweep's replay proposer, every draft right: no verify step)."""
     free = []
     for row in r.rows:
         st = row.spec
@@ -275,11 +300,14 @@ def shadow(r, proposer) -> None:
                 st.shadow = []
         if not st.shadow:
             free.append(row)
-    if free:
-        row = free[r.num_steps % len(free)]
+    if not free:
+        return
+    fresh = sum(1 for row in free if row.spec.evidence == 0)
+    n = min(fresh, -(-len(r.rows) // SHADOW_SPREAD)) if fresh else 1
+    for row in sorted(free, key=lambda w: (w.spec.evidence > 0, w.spec.shadowed))[: max(1, n)]:
         st = row.spec
         st.shadow = proposer.propose(st.history(row.tokens), st.kmax)
-        st.shadow_at = len(row.tokens)
+        st.shadow_at, st.shadowed = len(row.tokens), r.num_steps
 
 
 def wants_verify(rows) -> bool:
