@@ -2,10 +2,11 @@
 batch, from acceptance and the measured cost of a verify step (``mlxb.spec.verify`` runs the steps).
 
 Acceptance is learnt from verify steps and, for prompt lookup, from *shadow* drafts: while the bar
-keeps a batch plain, one row per step looks its drafts up anyway and later compares them with the
-tokens it actually emitted, at no device cost. A batch whose rows are aligned (no left padding: its
-steps skip the attention mask) loses that on its first verify step for good, so there rows count
-only with evidence and the bar includes what masked steps cost over aligned ones."""
+keeps a batch plain, one row per step (more while rows have no evidence yet, ``shadow``) looks its
+drafts up anyway and later compares them with the tokens it actually emitted, at no device cost. A
+batch whose rows are aligned (no left padding: its steps skip the attention mask) loses that on its
+first verify step for good, so there rows count only with evidence and the bar includes what masked
+steps cost over aligned ones."""
 
 from __future__ import annotations
 
