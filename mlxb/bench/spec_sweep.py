@@ -70,6 +70,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                             e.runner.proposer = ReplayProposer([p + t for p, t in zip(prompts, tails)], miss, vocab,
                                                                seed=rep)
                         failed = None
+                        mx.reset_peak_memory()
                         try:
                             tps = _decode_tps(e, prompts, gen, prefill_chunk)
                         except RuntimeError as err:  # a row failed (out of device memory at this B, say): a
@@ -82,6 +83,10 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                                "drafted": c["drafted"] - before.get("drafted", 0),
                                "accepted": c["accepted"] - before.get("accepted", 0)}
                         row.update(plain_step_ms(tm0, e.runner.timing))
+                        # device memory: the arm's peak and what stays in use and in MLX's pool after it (the
+                        # H100 ran out of memory in fixed-K arms at B=32, stop 67: where it went was not recorded)
+                        row.update(peak_gb=mx.get_peak_memory() / 1e9, active_gb=mx.get_active_memory() / 1e9,
+                                   pool_gb=mx.get_cache_memory() / 1e9)
                         if arm == "auto":
                             row.update(steps_by_decision(e.runner.step_cost.trace, b))
                             row["cost_ratio"] = e.runner.step_cost.ratio_at(b)

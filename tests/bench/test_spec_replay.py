@@ -73,3 +73,5 @@ def test_sweep_runs_every_arm_at_every_miss(tiny_models):
     assert arms == {(m, a) for m in (0.0, 1.0) for a in ("plain", "auto", "fixed2")}
     fixed = {r["miss"]: r for r in res["rows"] if r["arm"] == "fixed2"}
     assert fixed[0.0]["accepted"] == fixed[0.0]["drafted"] > 0 and fixed[1.0]["accepted"] == 0
+    # every arm records its device memory: its peak covers at least what stays in use after it
+    assert all(r["peak_gb"] > 0 and r["peak_gb"] >= r["active_gb"] >= 0 and r["pool_gb"] >= 0 for r in res["rows"])
