@@ -215,14 +215,13 @@ def gain(st: RowSpec, pooled: Optional[float] = None) -> float:
     longest draft, not the current one: a row whose draft length fell after a rejection would otherwise
     be held under a bar it can only clear by speculating (measured on the H200: one rejection put k at 1,
     1 + alpha stayed under a cost of 2.1, and the row never drafted again). With ``pooled`` (the batch's
-    acceptance, ``pooled_alpha``) the row's estimate is drawn toward it by ``POOL_W`` draft positions over the
-    row's checks so far: one early miss (a check of one position) put a row whose true acceptance was 0.9 at
-    0.38, and under the every-row rule a batch of 32 such rows (the sweep's replay proposer, 10% of drafts wrong,
-    verify at two plain steps) never verified. The pool's weight falls with each check of the row's own, so a
-    row whose drafts keep failing at once (each check one position, its own weight ~2.5) is soon judged by them
-    alone and still keeps its batch plain."""
-    w = POOL_W
-    a = st.alpha if pooled is None else (st.alpha * st.weight + w * pooled) / (st.weight + w)
+    acceptance, ``pooled_alpha``) the row's estimate is drawn toward it by ``POOL_W`` draft positions: one early
+    miss (a check of one position) put a row that shared the batch's 0.9 at 0.42 on its own, and under the
+    every-row rule a batch of 32 such rows (the sweep's replay proposer, 10% of drafts wrong, verify at two plain
+    steps) never verified. A row whose drafts keep failing at once weighs about as much as the pool (one position
+    a check, decayed: ~4), so it reads at most half the pool's acceptance: at 8 drafts it still keeps its batch
+    plain where a verify step costs about 1.8 plain steps or more (2 at a pool of 1.0), not below."""
+    a = st.alpha if pooled is None else (st.alpha * st.weight + POOL_W * pooled) / (st.weight + POOL_W)
     return float(st.kmax + 1) if a >= 1.0 else (1.0 - a ** (st.kmax + 1)) / (1.0 - a)  # the geometric sum
 
 
@@ -303,9 +302,12 @@ def shadow(r, proposer) -> None:
             free.append(row)
     if not free:
         return
-    fresh = sum(1 for row in free if row.spec.evidence == 0)
-    n = min(fresh, -(-len(r.rows) // SHADOW_SPREAD)) if fresh else 1
-    for row in sorted(free, key=lambda w: (w.spec.evidence > 0, w.spec.shadowed))[: max(1, n)]:
+    fresh = [row for row in free if row.spec.evidence == 0]
+    if fresh:  # (sorted only while some rows have no evidence; then one pick a step, the longest waiting)
+        picks = sorted(fresh, key=lambda w: w.spec.shadowed)[: -(-len(r.rows) // SHADOW_SPREAD)]
+    else:
+        picks = [min(free, key=lambda w: w.spec.shadowed)]
+    for row in picks:
         st = row.spec
         st.shadow = proposer.propose(st.history(row.tokens), st.kmax)
         st.shadow_at, st.shadowed = len(row.tokens), r.num_steps
