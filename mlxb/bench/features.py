@@ -1,7 +1,7 @@
 """Run a feature matrix (or one ad-hoc cell) against one or more stacks, A/B alternated.
 
 For each cell x concurrency x repeat, every stack runs the identical closed-loop load (fresh prompts
-per level and repeat, so no prompt cache carries over between runs); the stack order flips every repeat (A B, B A, ...) so drift hits both. Before a stack's first run of a cell,
+per cell, level and repeat, so no prompt cache carries over between runs or cells); the stack order flips every repeat (A B, B A, ...) so drift hits both. Before a stack's first run of a cell,
 one short probe request checks that it can serve the cell at all: a 4xx or a refused feature
 records the cell as ``unsupported`` for that stack (with the reason), never a silent skip. Gates
 (e.g. ``top_logprobs_5``) are checked on every response and recorded per summary row.
@@ -10,6 +10,7 @@ records the cell as ``unsupported`` for that stack (with the reason), never a si
 from __future__ import annotations
 
 import asyncio
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -99,6 +100,14 @@ async def _probe(t: Target, ds: L.Dataset, cell: Optional[Cell] = None) -> Optio
     return None
 
 
+def text_seed(seed: int, cell: str, rep: int, conc: int) -> int:
+    """The prompt text's seed for one (cell, level, repeat) of a run. The cell is part of it: two cells that
+    ran the same text on one server (the forced-tools A/B, cells "auto" then "required") made the second a
+    prompt-cache replay of the first (whole prompts restored, from the SSD tier too, on the engine thread),
+    which is not what it measures (H100, ``reports/h100/session68``)."""
+    return seed * 1_000_003 + rep * 7919 + conc + zlib.crc32(cell.encode()) * 15_485_863
+
+
 def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, scale: float = 1.0,
                ignore_eos: bool = True, seed: int = 0, progress: Optional[Progress] = None,
                cells: Optional[list[str]] = None,
@@ -120,9 +129,9 @@ def run_matrix(matrix: Matrix, targets: list[Target], tokenizer, vocab: int, *, 
         for conc in cell.concurrency:
             n = cell.requests or conc * cell.requests_per_slot
             for rep in range(matrix.repeats):
-                # fresh prompts per (level, repeat), identical for every stack: a server's prompt cache
-                # may reuse what a run shares (the agents' system prompt), never an earlier repeat
-                ds = dataset_for(cell, tokenizer, n, vocab, scale, seed * 1_000_003 + rep * 7919 + conc)
+                # fresh prompts per (cell, level, repeat), identical for every stack: a server's prompt cache
+                # may reuse what a run shares (the agents' system prompt), never an earlier repeat or cell
+                ds = dataset_for(cell, tokenizer, n, vocab, scale, text_seed(seed, cell.name, rep, conc))
                 order = targets if rep % 2 == 0 else list(reversed(targets))
                 for t in order:
                     base = {"cell": cell.name, "stack": t.stack, "concurrency": conc, "repeat": rep,

@@ -154,6 +154,7 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
                 warm = prompts_for("repetitive", b, context, vocab, seed=999_999 + b)
                 for e in engines.values():
                     _decode_tps(e, warm, min(gen, 32), prefill_chunk)
+                    e.runner.step_cost.clear()  # those compile times are not what a verify step costs
                 for rep in range(repeats):
                     replay = None
                     if regime == "looping":

@@ -54,6 +54,10 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
             warm = prompts_for("repetitive", b, context, vocab, seed=999_999 + b)
             for e in engines.values():  # verify shapes at this B compile here, not in a timed arm
                 _decode_tps(e, warm, min(gen, 32), prefill_chunk)
+                # ... and their times go, as serve's warm-up drops its own: with them kept, the H100 sweep's
+                # controller read a verify step at 5.6-10 plain steps at B=8/32 and never verified, while fixed
+                # K=8 at 10% misses ran 1.3-1.9x plain at B=8 (reports/h100/session68)
+                e.runner.step_cost.clear()
             for rep in range(repeats):
                 prompts = prompts_for("random", b, context, vocab, seed=7919 * rep + b)
                 tails = greedy_tails(engines["plain"], prompts, gen + kmax + 1)
@@ -65,6 +69,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                         e = engines[arm]
                         before, tm0 = dict(e.runner.spec_counts), dict(e.runner.timing)
                         e.runner.step_cost.trace.clear()
+                        row_start = len(e.runner.step_cost._at(b)[1])  # verify samples the arm starts with
                         real = e.runner.proposer
                         if arm != "plain":
                             e.runner.proposer = ReplayProposer([p + t for p, t in zip(prompts, tails)], miss, vocab,
@@ -90,6 +95,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                         if arm == "auto":
                             row.update(steps_by_decision(e.runner.step_cost.trace, b))
                             row["cost_ratio"] = e.runner.step_cost.ratio_at(b)
+                            row["verify_samples_at_start"] = row_start
                         block.setdefault(arm, []).append(row)
                     ok = [r["tok_s"] for r in block["plain"] if r["tok_s"] is not None]
                     plain = statistics.mean(ok) if ok else None

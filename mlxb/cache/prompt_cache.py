@@ -184,6 +184,11 @@ class PromptCache:
             self.counters["cached_tokens"] += best.num_tokens
         return best
 
+    def prefetch(self, tokens, limit: int, adapter: int = -1) -> bool:
+        """Have the SSD tier verify the file a later ``lookup`` of these tokens may restore, on its reader thread
+        (any thread may call this; it never blocks). Whether a file was queued."""
+        return self.disk is not None and self.disk.prefetch(self.ns(adapter), tokens, limit)
+
     def shared_prefix(self, tokens, limit: int, adapter: int = -1) -> int:
         """How many leading tokens of ``tokens[:limit]`` a cached prompt shares (RAM or SSD), snapshot or not."""
         ns = self.ns(adapter)

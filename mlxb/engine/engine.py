@@ -157,6 +157,7 @@ class Engine:
         if not self.alive:
             raise EngineUnavailableError("the engine thread is not running; restart the server")
         self.check_admissible(req)
+        self.reuse.prefetch(req)
         self._inbox.put(("submit", req, stream))
 
     def cancel(self, request_id: str) -> None:

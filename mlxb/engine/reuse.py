@@ -40,6 +40,13 @@ class PrefixReuse:
         self.hits.clear()
         self.fresh.clear()
 
+    def prefetch(self, req: Request) -> None:
+        """On the submitting thread, as a request arrives: the SSD tier checks the file its lookup may restore
+        ahead of admission, so the engine thread does not hash it while every running row waits."""
+        pc = self.cache
+        if pc is not None and pc.disk is not None and req.cache_prompt and req.num_prompt_tokens > 1:
+            pc.prefetch(req.prompt_ids, req.num_prompt_tokens - 1, req.adapter)
+
     # ---- scheduler callbacks (token counts and bytes only) -----------------------------------
     def nbytes(self) -> int:
         return self.cache.nbytes if self.cache is not None else 0

@@ -269,3 +269,23 @@ def test_json_results_carry_the_commit_machine_and_model(monkeypatch):
     lab = json_labels("tiny-llama", "float32", kv_attention="fused")
     assert lab["git_commit"] == "abc1234" and lab["model"] == "tiny-llama" and lab["kv_attention"] == "fused"
     assert lab["machine_key"] and lab["versions"]["mlx"] and lab["date"].startswith("20")
+
+
+def test_each_cell_level_and_repeat_draws_its_own_prompt_text(tiny_models):
+    """Two cells run one after the other on one server (the forced-tools A/B) must not send the same text:
+    the second would replay the first from the prompt cache. Every stack still gets the same text."""
+    from mlxb.bench.features import dataset_for, text_seed
+    from mlxb.bench.matrix import Cell
+
+    _, tok, *_ = tiny_models("tiny-llama")
+    lengths = {"input_len": 40}
+    auto = Cell("load-random-tools2", "random", lengths, params={"forced_every": 2, "forced_choice": "auto"})
+    forced = Cell("load-random-forced2", "random", lengths, params={"forced_every": 2, "forced_choice": "required"})
+
+    def text(cell, rep=0, conc=8, seed=7):
+        ds = dataset_for(cell, tok, 4, 8000, 1.0, text_seed(seed, cell.name, rep, conc))
+        return [json.dumps(p.get("messages") or p.get("prompt")) for p in ds.payloads]  # the text, not the fields
+
+    assert text(auto) == text(auto)  # deterministic: the same for every stack of a run
+    assert text(auto) != text(forced)
+    assert text(auto) != text(auto, rep=1) and text(auto) != text(auto, conc=32) and text(auto) != text(auto, seed=8)

@@ -159,3 +159,60 @@ def test_budget_eviction_spills_to_disk(tiny_models, tmp_path):
     assert pc.disk.flush(30) and pc.disk.num_entries == 1
     assert pc.lookup(p + [9], len(p)).num_tokens == len(p)
     pc.close()
+
+
+def _wait_reader(pc, timeout=30.0):
+    import time
+    end = time.monotonic() + timeout
+    while (pc.disk._reading or not pc.disk._reads.empty()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not pc.disk._reading
+
+
+def test_each_file_version_is_hashed_once_and_prefetch_moves_it_off_the_restore(tiny_models, tmp_path):
+    model, *_ = tiny_models("tiny-llama")
+    kinds = layer_kinds(model)
+    pc = PromptCache(model, kinds, max_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30)
+    p = ids(64, 21)
+    want = as_np(pc.put(p, prefill(model, p)).layers)
+    assert pc.evict(1) > 0 and pc.disk.flush(30)  # spilled and written by this process
+    m = pc.lookup(p + [9], len(p))
+    assert m.num_tokens == len(p) and same(as_np(m.entry.layers), want)
+    assert pc.disk.counters["hashed"] == 0  # the writer hashed what it wrote: the restore does not again
+    pc.close()
+    # a restart: the file is unknown to the new process; the prefetch hashes it on the reader thread
+    again = PromptCache(model, kinds, max_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30)
+    assert again.prefetch(p + [9], len(p))
+    _wait_reader(again)
+    assert again.disk.counters["prefetched"] == 1 and again.disk.counters["hashed"] == 1
+    assert not again.prefetch(p + [9], len(p))  # already verified: not queued twice
+    m = again.lookup(p + [9], len(p))
+    assert m.num_tokens == len(p) and same(as_np(m.entry.layers), want)
+    assert again.disk.counters["hashed"] == 1 and again.disk.counters["restores"] == 1
+    again.close()
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_a_file_damaged_around_its_prefetch_is_never_served(when, tiny_models, tmp_path, caplog):
+    import os
+    model, *_ = tiny_models("tiny-llama")
+    p, payload = _one_file(model, tmp_path, seed=22)
+
+    def damage():
+        st = os.stat(payload)
+        raw = bytearray(payload.read_bytes())
+        raw[-5] ^= 0xFF
+        payload.write_bytes(bytes(raw))  # same size; a new mtime, set apart from a coarse clock's tick
+        os.utime(payload, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+
+    pc = PromptCache(model, layer_kinds(model), max_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30)
+    if when == "before":
+        damage()
+    assert pc.prefetch(p + [5], len(p))
+    _wait_reader(pc)
+    if when == "after":  # verified, then changed on disk: its stat differs, so the restore hashes it again
+        assert pc.disk.counters["prefetched"] == 1
+        damage()
+    assert pc.lookup(p + [5], len(p)) is None  # a miss, not wrong KV
+    assert pc.stats()["ssd_corrupt_skipped"] == 1 and "checksum" in caplog.text
+    pc.close()

@@ -383,3 +383,18 @@ def test_memory_pressure_keeps_mlx_buffer_pool_while_the_arrays_in_use_fit(tiny_
     mem["active"], mem["pool"] = 150 << 20, 0  # the arrays in use past the limit: clear and evict
     assert pc.relieve_pressure() > 0 and len(clears) == 2 and pc.nbytes == 0
     assert pc.stats()["memory_pressure_evictions"] == 1
+
+
+def test_after_a_restart_arriving_requests_have_their_ssd_files_checked_ahead(tiny_models, tmp_path):
+    """Submitting a request whose prefix is only on the SSD tier queues that file's checksum on the reader
+    thread (``Engine.submit``); the restored rows give the same tokens as without the cache."""
+    model, tok, *_ = tiny_models("tiny-llama")
+    plain, _ = serve(model, tok, 3, cache=False)
+    first, eng = serve(model, tok, 3, cache=True, tmp_path=tmp_path)
+    eng.reuse.cache.close()  # graceful shutdown: RAM entries written to disk
+    again, eng2 = serve(model, tok, 3, cache=True, tmp_path=tmp_path)
+    disk = eng2.reuse.cache.disk
+    assert [t for t, _ in again] == [t for t, _ in plain] == [t for t, _ in first]
+    assert disk.counters["prefetched"] >= 1 and disk.counters["restores"] >= 1
+    assert again[0][1] > 0  # the first request after the restart already starts from the disk
+    eng2.reuse.cache.close()
