@@ -247,22 +247,35 @@ class PromptCache:
     # ---- writes ------------------------------------------------------------------------------
     def put(self, tokens, layers: list, *, copy: bool = True, adapter: int = -1) -> Optional[PrefixEntry]:
         """Snapshot single-row ``layers`` (holding exactly ``tokens``) into the RAM tier."""
-        if not tokens:
-            return None
-        ns = self.ns(adapter)
-        found = self.ram.match(ns, tokens, touch=False)
-        if found is not None and found.num_tokens == len(tokens) and (
-                self.trimmable or found.entry.num_tokens == len(tokens)):
-            self.ram.match(ns, tokens)  # already covered: refresh its LRU slot
-            return found.entry
-        if copy:
-            layers = [snap.snapshot(c, k) for c, k in zip(layers, self.kinds)]
-        mx.eval([snap.arrays(c) for c in layers])
-        self.counters["inserts"] += 1
-        nbytes = sum(snap.layer_nbytes(c) for c in layers)
-        entry = self.ram.insert(ns, tokens, layers, nbytes)
-        # over the RAM cap alone (already handed to the SSD tier): still usable by this iteration's rows
-        return entry if entry is not None else PrefixEntry(ns, tuple(tokens), layers, nbytes)
+        return self.put_many([(tokens, layers, adapter)], copy=copy)[0]
+
+    def put_many(self, items: list, *, copy: bool = True) -> list:
+        """``put`` for several ``(tokens, layers, adapter)`` at once: every snapshot is evaluated in one
+        ``mx.eval``. Rows retiring on one step did one evaluation each: on an H100 the step that retired 15
+        agents spent 124 ms storing them, ~8 ms a row (``reports/h100/session68``)."""
+        out: list = [None] * len(items)
+        todo = []
+        for i, (tokens, layers, adapter) in enumerate(items):
+            if not tokens:
+                continue
+            ns = self.ns(adapter)
+            found = self.ram.match(ns, tokens, touch=False)
+            if found is not None and found.num_tokens == len(tokens) and (
+                    self.trimmable or found.entry.num_tokens == len(tokens)):
+                self.ram.match(ns, tokens)  # already covered: refresh its LRU slot
+                out[i] = found.entry
+                continue
+            if copy:
+                layers = [snap.snapshot(c, k) for c, k in zip(layers, self.kinds)]
+            todo.append((i, ns, tokens, layers))
+        mx.eval([snap.arrays(c) for *_, layers in todo for c in layers])
+        for i, ns, tokens, layers in todo:
+            self.counters["inserts"] += 1
+            nbytes = sum(snap.layer_nbytes(c) for c in layers)
+            entry = self.ram.insert(ns, tokens, layers, nbytes)
+            # over the RAM cap alone (already handed to the SSD tier): still usable by this iteration's rows
+            out[i] = entry if entry is not None else PrefixEntry(ns, tuple(tokens), layers, nbytes)
+        return out
 
     def _spill(self, entry: PrefixEntry, block: bool = False) -> None:
         if self.disk is not None:

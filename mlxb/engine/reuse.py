@@ -127,15 +127,23 @@ class PrefixReuse:
 
     def put_finished(self, tokens: list, layers: list, fed: int, adapter: int = -1) -> None:
         """Store a finished row's caches under the tokens they hold (prompt + fed output)."""
-        pc = self.cache
-        if fed > len(tokens):  # a lookahead token we never read: trim it where the kinds allow
-            if not pc.trimmable:
-                return
-            for c in layers:
-                c.trim(fed - len(tokens))
-            fed = len(tokens)
-        pc.put(tokens[:fed], layers, adapter=adapter)
-        self.respect_budget()
+        self.put_finished_many([(tokens, layers, fed, adapter)])
+
+    def put_finished_many(self, rows: list) -> None:
+        """``put_finished`` for every ``(tokens, layers, fed, adapter)`` of rows that ended on one step,
+        evaluated together (``PromptCache.put_many``)."""
+        pc, items = self.cache, []
+        for tokens, layers, fed, adapter in rows:
+            if fed > len(tokens):  # a lookahead token we never read: trim it where the kinds allow
+                if not pc.trimmable:
+                    continue
+                for c in layers:
+                    c.trim(fed - len(tokens))
+                fed = len(tokens)
+            items.append((tokens[:fed], layers, adapter))
+        if items:
+            pc.put_many(items)
+            self.respect_budget()
 
     # ---- memory ------------------------------------------------------------------------------
     def respect_budget(self) -> None:

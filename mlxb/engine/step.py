@@ -42,8 +42,9 @@ def decode_and_retire(eng) -> None:
     if done:
         keep = [i for i, row in enumerate(r.rows) if row.req.request_id not in done]
         gone = [i for i, row in enumerate(r.rows) if eng.reuse.keeps(row.req, done.get(row.req.request_id))]
-        for row, layers, fed in r.extract_rows(gone):
-            eng.reuse.put_finished(row.req.prompt_ids + row.tokens, layers, fed, row.req.adapter)
+        if gone:
+            eng.reuse.put_finished_many([(row.req.prompt_ids + row.tokens, layers, fed, row.req.adapter)
+                                         for row, layers, fed in r.extract_rows(gone)])
         r.filter(keep)
         for rid, status in done.items():
             s.on_finished(rid, status)
