@@ -85,7 +85,7 @@ class DiskTier:
         self._save, self._prepare = save, prepare
         self._verified: dict[str, tuple] = {}  # payload path -> (stat key, header sha256) hashed in this process
         self._reads: queue.Queue = queue.Queue(maxsize=max_queue)  # paths to verify ahead of a restore
-        self._reading: set = set()
+        self._reading: dict[str, threading.Event] = {}  # path -> set when the reader is done with it
         self._reader: Optional[threading.Thread] = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # guards the index between the writer and the engine thread
@@ -249,6 +249,9 @@ class DiskTier:
         key = _stat_key(path)
         if key[0] != h["nbytes"]:
             raise ValueError(f"payload is {key[0]} bytes, header says {h['nbytes']} (truncated?)")
+        busy = self._reading.get(str(path))
+        if busy is not None and threading.current_thread() is not self._reader:
+            busy.wait(60)  # the reader is hashing this file now: wait for it rather than hash it twice
         if self._verified.get(str(path)) != (key, h["sha256"]):
             self.counters["hashed"] += 1
             if file_sha256(path) != h["sha256"]:
@@ -273,11 +276,12 @@ class DiskTier:
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_loop, name="mlxb-ssd-reader", daemon=True)
             self._reader.start()
+        self._reading[path] = threading.Event()
         try:
             self._reads.put_nowait(m.entry)
         except queue.Full:
+            self._reading.pop(path).set()
             return False
-        self._reading.add(path)
         return True
 
     def _read_loop(self) -> None:
@@ -291,7 +295,9 @@ class DiskTier:
             except Exception:  # the engine's restore finds it again, warns and drops it
                 pass
             finally:
-                self._reading.discard(str(entry.layers))
+                done = self._reading.pop(str(entry.layers), None)
+                if done is not None:
+                    done.set()
 
 
 def _stat_key(path: Path) -> tuple:

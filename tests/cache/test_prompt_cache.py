@@ -216,3 +216,25 @@ def test_a_file_damaged_around_its_prefetch_is_never_served(when, tiny_models, t
     assert pc.lookup(p + [5], len(p)) is None  # a miss, not wrong KV
     assert pc.stats()["ssd_corrupt_skipped"] == 1 and "checksum" in caplog.text
     pc.close()
+
+
+def test_a_restore_waits_for_the_reader_instead_of_hashing_the_file_twice(tiny_models, tmp_path, monkeypatch):
+    import time
+    from mlxb.cache import ssd
+
+    model, *_ = tiny_models("tiny-llama")
+    p, payload = _one_file(model, tmp_path, seed=23)
+    calls, real = [], ssd.file_sha256
+
+    def slow(path):  # the reader is still hashing when the engine's restore comes
+        calls.append(str(path))
+        time.sleep(0.3)
+        return real(path)
+
+    monkeypatch.setattr(ssd, "file_sha256", slow)
+    pc = PromptCache(model, layer_kinds(model), max_bytes=1 << 30, disk_dir=tmp_path, disk_bytes=1 << 30)
+    assert pc.prefetch(p + [5], len(p))
+    m = pc.lookup(p + [5], len(p))
+    assert m is not None and m.num_tokens == len(p)
+    assert calls == [str(payload)] and pc.disk.counters["hashed"] == 1
+    pc.close()
