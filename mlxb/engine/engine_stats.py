@@ -55,7 +55,8 @@ def spec_stats(eng) -> Optional[dict]:
     return {"method": sp.method, "draft_model": sp.draft_name, "max_batch": sp.max_batch, "adaptive": sp.adaptive,
             "pipeline": sp.pipeline, **{k: c[k] for k in ("pipelined_kept", "pipelined_dropped", "pipelined_cancelled")},
             "num_draft_tokens": sp.num_draft_tokens, "active": off is None, "off_reason": off, "acceptance": acc,
-            **{k: c[k] for k in ("verify_steps", "drafted", "accepted")}, "verify_cost_plain_steps": round(r.step_cost.ratio, 3)}
+            **{k: c[k] for k in ("verify_steps", "drafted", "accepted")}, "verify_cost_plain_steps": round(r.step_cost.ratio, 3),
+            "verify_steps_unsampled": r.step_cost.dropped}
 
 
 def step_timing(runner) -> dict:

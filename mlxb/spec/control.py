@@ -129,12 +129,15 @@ class StepCost:
     PROBE = 128  # plain steps after which one verify step runs anyway: a stale high cost is measured again
     SPAN = 8.0  # ... times the last measured cost (up to this): probes then cost at most ~1/PROBE of decoding
     REFILL = 2  # plain steps after a verify step (or an early read) that are not steady
+    CAP = 33.0  # the largest verify cost kept, in plain steps; a verify step slower than that is not sampled
 
     def __init__(self, n: int = 16):
         self.n = n
         self.sizes: dict[int, tuple[deque, deque, deque]] = {}  # bucket -> (plain, verify, aligned plain) seconds
         self.since: dict[int, int] = {}  # bucket -> plain steps since its last verify step
         self.refill = 0
+        self.orphan = False  # the last verify step was dropped: its refill steps are charged to no one
+        self.dropped = 0  # verify steps not sampled (slower than CAP plain steps)
         self.rows = 1  # the batch size last observed (``ratio``)
         # the last steps: (what decided it, rows, drafts, drafts kept, seconds, cost ratio then)
         self.trace: deque = deque(maxlen=4096)
@@ -153,18 +156,25 @@ class StepCost:
         """One decode step of ``rows`` rows; ``steady``: False for a plain step that read the pipeline early;
         ``aligned``: a batch step without the attention mask (kept apart: it is the cheaper one)."""
         plain, ver, flat = self._at(rows)
+        ref = plain or flat
         plain = flat if aligned else plain
         b, self.rows = self.bucket(rows), rows
         if verify:
+            if ref and seconds > self.CAP * statistics.median(ref):
+                # beyond any ratio the cost keeps: a first-shape compile (1-3 s on a GPU against 10 ms steps),
+                # not what a verify step costs; kept as the only sample, it shut the bar for ~1,000 steps
+                self.dropped += 1
+                self.since[b], self.refill, self.orphan = 0, self.REFILL, True
+                return
             if self.stale_at(rows):  # a probe: the old verify costs are what it re-measures
                 ver.clear()
             ver.append([seconds, 0.0, 0])  # its own time, then the unsteady plain steps after it: sum, count
-            self.since[b], self.refill = 0, self.REFILL
+            self.since[b], self.refill, self.orphan = 0, self.REFILL, False
             return
         self.since[b] = self.since.get(b, 0) + 1
         if steady and self.refill == 0:
             plain.append(seconds)
-        elif ver:  # a refill step, or one that read the pipeline early: charged to the last verify step
+        elif ver and not self.orphan:  # a refill step, or one that read the pipeline early: charged to the last verify step
             ver[-1][1] += seconds
             ver[-1][2] += 1
         self.refill = self.REFILL if not steady else max(0, self.refill - 1)
@@ -172,7 +182,7 @@ class StepCost:
     def clear(self) -> None:
         self.sizes.clear()
         self.since.clear()
-        self.refill = 0
+        self.refill, self.orphan = 0, False
 
     def stale_at(self, rows: int) -> bool:
         """The last verify step at this size is ``PROBE`` plain steps old times its measured cost (at most
@@ -192,7 +202,7 @@ class StepCost:
             return MIN_GAIN
         p = statistics.median(plain)
         cost = statistics.median(v + max(0.0, extra - n * p) for v, extra, n in ver)
-        return min(max(cost / p, 1.0), 33.0)
+        return min(max(cost / p, 1.0), self.CAP)
 
     def penalty_at(self, rows: int) -> float:
         """What a masked plain step costs over an aligned one (``MASK_PENALTY`` until both were seen)."""

@@ -67,3 +67,22 @@ def test_one_unlucky_check_does_not_hold_a_well_accepting_batch_plain():
     assert pays(batch)
     hopeless = row([(8, 0)] * 8)
     assert not pays(NS(spec=SpecConfig(), rows=rows + [hopeless], step_cost=cost))
+
+
+def test_a_verify_step_slower_than_any_kept_cost_is_not_sampled():
+    """A first verify step at a new shape compiles (1-3 s on a GPU against ~10 ms plain steps). Kept as the
+    only sample it read as the cap (33 plain steps) and held the batch plain until a probe ~1,000 steps later;
+    dropped, the next verify step (compiled) measures the real cost."""
+    from mlxb.spec.verify import MIN_GAIN, StepCost
+
+    cost = StepCost()
+    for _ in range(6):
+        cost.observe(False, 0.010, rows=8)
+    cost.observe(True, 2.4, rows=8)  # the compile
+    for _ in range(StepCost.REFILL + 2):
+        cost.observe(False, 0.010, rows=8)
+    assert cost.ratio_at(8) == MIN_GAIN and cost.dropped == 1  # as if no verify step had been measured
+    cost.observe(True, 0.022, rows=8)
+    for _ in range(StepCost.REFILL + 2):
+        cost.observe(False, 0.010, rows=8)
+    assert abs(cost.ratio_at(8) - 2.2) < 1e-9
