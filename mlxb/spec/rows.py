@@ -119,7 +119,8 @@ def greedy_keep(r, row, p: list[int], choice: list[int], lps: mx.array, geo=None
 def tally(r, row, n: int, a: int) -> None:
     """A row drafted ``n`` and kept ``a`` in a verify step: its adaptive state, usage and the counters."""
     if row.spec is not None and n:
-        row.spec.adapt(n, a, r.step_cost.ratio_at(len(r.rows)), getattr(r, "spec_pooled", None))
+        row.spec.adapt(n, a, r.step_cost.ratio_at(len(r.rows)), getattr(r, "spec_pooled", None),
+                       shadows=getattr(r.proposer, "shadows", False))
         row.req.spec_drafted, row.req.spec_accepted = row.spec.drafted, row.spec.accepted
     r.spec_counts["drafted"] += n
     r.spec_counts["accepted"] += a
