@@ -82,11 +82,13 @@ class RowSpec:
         """After a verify step in which this row drafted ``n`` and kept ``a`` of them: the next draft
         length, and a pause (doubling while it keeps failing) when the tokens a verify step is expected
         to give, 1 + alpha + ... + alpha^k, fall below ``cost``: what a verify step costs in plain steps
-        on this machine (``StepCost``; a wider forward, and the host waits for it). After a pause the row
-        is checked again: by shadow drafts where the proposer makes them (``shadows``: free, on plain steps;
-        the row keeps what it learned and needs new evidence before it counts), else by a verify step at the
-        starting guess. Resetting shadowed rows to the guess too made each pause end in a verify step: a
-        lone row whose drafts were all wrong ran 7 in 64 tokens (4-5 on an H100: 0.91x plain there)."""
+        on this machine (``StepCost``; a wider forward, and the host waits for it). Where the proposer makes
+        shadow drafts (``shadows``: prompt lookup) there is no pause: the row keeps its estimate, the bar holds
+        its batch plain, and shadow drafts on plain steps (free) keep checking it, so it drafts again as soon as
+        they hold. A pause reset the row to the starting guess, and each ended in a verify step: a lone row whose
+        drafts were all wrong ran 7 in 64 tokens (4-5 on an H100: 0.91x plain there), and a well-drafting row
+        after two unlucky checks sat out 16 steps or more. A draft model's rows (no shadow check) still pause
+        and then probe at the guess."""
         self.drafted += n
         self.accepted += a
         if n == 0 or not self.adaptive:
@@ -99,12 +101,11 @@ class RowSpec:
         self.full = 0.7 * self.full + 0.3 * (a == n)
         self.learn(n, a)
         if gain(self, pooled) < cost:
-            self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
             self.k = self.kmax  # the next check drafts at full length
-            if shadows:
-                self.evidence = 0  # shadow drafts after the pause decide, from what it learned
-            else:
-                self.alpha, self.weight = ALPHA0, PRIOR  # a verify step at the guess is its only check
+            if shadows:  # no pause: the bar holds it plain while shadow drafts, free on plain steps, say so
+                return
+            self.cooldown, self.backoff = self.backoff, min(2 * self.backoff, MAX_COOLDOWN)
+            self.alpha, self.weight = ALPHA0, PRIOR  # a verify step at the guess is its only check
         else:
             self.backoff = COOLDOWN
 
