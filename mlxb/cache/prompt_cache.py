@@ -247,12 +247,15 @@ class PromptCache:
     # ---- writes ------------------------------------------------------------------------------
     def put(self, tokens, layers: list, *, copy: bool = True, adapter: int = -1) -> Optional[PrefixEntry]:
         """Snapshot single-row ``layers`` (holding exactly ``tokens``) into the RAM tier."""
-        return self.put_many([(tokens, layers, adapter)], copy=copy)[0]
+        return self._store([(tokens, layers, adapter)], copy)[0]
 
     def put_many(self, items: list, *, copy: bool = True) -> list:
         """``put`` for several ``(tokens, layers, adapter)`` at once: every snapshot is evaluated in one
         ``mx.eval``. Rows retiring on one step did one evaluation each: on an H100 the step that retired 15
         agents spent 124 ms storing them, ~8 ms a row (``reports/h100/session68``)."""
+        return self._store(items, copy)
+
+    def _store(self, items: list, copy: bool) -> list:
         out: list = [None] * len(items)
         todo = []
         for i, (tokens, layers, adapter) in enumerate(items):

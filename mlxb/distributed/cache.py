@@ -111,6 +111,10 @@ class MirroredPromptCache(PromptCache):
                 self.runner.queue_cache_free_later(entry.tp_id)
         return entry
 
+    def put_many(self, items: list, *, copy: bool = True) -> list:
+        """One at a time: ``put`` names each snapshot's source to the other ranks as it is stored."""
+        return [self.put(tokens, layers, copy=copy, adapter=adapter) for tokens, layers, adapter in items]
+
     def _spill(self, entry, block: bool = False) -> None:
         if self.disk is not None and self.disk.spill(entry, self.kinds, self.fingerprint, block=block):
             if getattr(entry, "tp_id", None) is not None:
