@@ -158,8 +158,7 @@ def _sharded(flags: list, run):
         _stop(proc)
         return out
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc)
 
 
 def _staggered(url: str, asks=PROMPTS, max_tokens: int = 24) -> list[str]:
@@ -215,10 +214,21 @@ def test_tp2_serve_same_text_as_one_process_and_sigterm_stops_every_rank(tmp_pat
         assert "tensor parallel: 2 ranks (ring)" in out and "rank 1 exited" not in out
         assert not _rank_pids(port)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc)
     # a fresh SSD tier; the same text and the same cached-token counts
     assert _one_process(["--prompt-cache-dir", str(tmp_path)], lambda u: (_staggered(u), _one_by_one(u))) == (texts, agents)
+
+
+def _reap(proc) -> None:
+    """After a test that failed while ``serve --tp`` ran: every rank on its port, then the launcher. A SIGKILL to the
+    launcher alone left both ranks serving (two processes at ~70% CPU each) for the rest of a CI run."""
+    for pid in _rank_pids(int(proc.args[proc.args.index("--port") + 1])).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
 
 
 def _stop(proc) -> str:
@@ -276,8 +286,7 @@ def test_tp2_hung_rank_shows_in_health_and_rank0_exits_nonzero():
         try:
             proc.wait(timeout=30)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            _reap(proc)
     assert "exited with code 70" in proc.stdout.read()
 
 
@@ -312,8 +321,7 @@ def test_tp2_serve_with_speculation_same_text_as_one_process(proposer):
         os.kill(_rank_pids(port)[0], signal.SIGTERM)
         assert proc.wait(timeout=60) == 0 and "rank 1 exited" not in proc.stdout.read()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc)
     assert _one_process(flags, lambda u: _staggered(u, asks, 32)) == texts
 
 

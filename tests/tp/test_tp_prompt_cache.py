@@ -8,7 +8,7 @@ import subprocess
 import httpx
 import pytest
 
-from tests.tp.test_tp import LAUNCH, MLXB, ENV, SYSTEM, _json, _one_by_one, _one_process, _sharded, _start, _stop
+from tests.tp.test_tp import LAUNCH, MLXB, ENV, SYSTEM, _json, _one_by_one, _one_process, _reap, _sharded, _start, _stop
 from tests.server.test_serve_cli import free_port
 
 pytestmark = pytest.mark.slow  # two processes under mlx.launch: the slow tier
@@ -59,8 +59,7 @@ def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
         assert pc["ssd_hits"] >= 1 and pc["ssd_restores"] >= 1
         _stop(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc)
     for p in (d / "tp2-rank1").glob("*/*.safetensors"):
         p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
     proc, url = _start(free_port(), "--prompt-cache-dir", str(d))
@@ -71,8 +70,7 @@ def test_tp2_ssd_tier_every_rank_keeps_its_shard_across_restarts(tmp_path):
         assert _ask(url, "List the files.") == (text, agents[2][1])  # the RAM tier, mirrored, still works
         _stop(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _reap(proc)
 
 
 def test_tp2_snapshot_marks_on_a_recurrent_model_same_as_one_process(tmp_path):
