@@ -129,6 +129,18 @@ def looping_prompts(engine: Engine, n: int, context: int, vocab: int, seed: int 
     return [h + t for h, t in zip(heads, greedy_tails(engine, heads, tail))]
 
 
+def warm_arms(engines, b: int, context: int, vocab: int, gen: int, prefill_chunk: int) -> None:
+    """One untimed arm on each engine at batch size ``b``, on repetitive prompts (they draft): shapes the warm-up
+    did not reach (verify steps at this B, the compaction's gather) compile here, not in a timed arm. Their times
+    then leave the controller's cost, as serve's warm-up drops its own: kept, the H100 sweep's controller read a
+    verify step at 5.6-10 plain steps at B=8/32 and never verified, while fixed K=8 at 10% misses ran 1.3-1.9x
+    plain at B=8 (reports/h100/session68)."""
+    warm = prompts_for("repetitive", b, context, vocab, seed=999_999 + b)
+    for e in engines:
+        _decode_tps(e, warm, min(gen, 32), prefill_chunk)
+        e.runner.step_cost.clear()
+
+
 def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, context: int = 512, gen: int = 64,
         repeats: int = 2, prefill_chunk: int = 2048, progress: Optional[Callable[[str], None]] = None,
         replay_miss: float = 0.1) -> dict:
@@ -148,13 +160,7 @@ def run(model, tokenizer, *, spec: SpecConfig, batches=(1, 8), regimes=REGIMES, 
     try:
         for regime in regimes:
             for b in batches:
-                # one untimed arm on each engine first, on repetitive prompts (they draft): shapes the
-                # warm-up did not reach (verify steps at this B, the compaction's gather) compile there,
-                # not in the first timed spec arm
-                warm = prompts_for("repetitive", b, context, vocab, seed=999_999 + b)
-                for e in engines.values():
-                    _decode_tps(e, warm, min(gen, 32), prefill_chunk)
-                    e.runner.step_cost.clear()  # those compile times are not what a verify step costs
+                warm_arms(engines.values(), b, context, vocab, gen, prefill_chunk)
                 for rep in range(repeats):
                     replay = None
                     if regime == "looping":

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from mlxb.bench.kv import _decode_tps
-from mlxb.bench.spec import ReplayProposer, greedy_tails, prompts_for, steps_by_decision
+from mlxb.bench.spec import ReplayProposer, greedy_tails, prompts_for, steps_by_decision, warm_arms
 from mlxb.engine.engine import Engine
 from mlxb.engine.warmup import warm_up
 from mlxb.spec.verify import SpecConfig
@@ -51,13 +51,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
     rows = []
     try:
         for b in batches:
-            warm = prompts_for("repetitive", b, context, vocab, seed=999_999 + b)
-            for e in engines.values():  # verify shapes at this B compile here, not in a timed arm
-                _decode_tps(e, warm, min(gen, 32), prefill_chunk)
-                # ... and their times go, as serve's warm-up drops its own: with them kept, the H100 sweep's
-                # controller read a verify step at 5.6-10 plain steps at B=8/32 and never verified, while fixed
-                # K=8 at 10% misses ran 1.3-1.9x plain at B=8 (reports/h100/session68)
-                e.runner.step_cost.clear()
+            warm_arms(engines.values(), b, context, vocab, gen, prefill_chunk)
             for rep in range(repeats):
                 prompts = prompts_for("random", b, context, vocab, seed=7919 * rep + b)
                 tails = greedy_tails(engines["plain"], prompts, gen + kmax + 1)
@@ -69,7 +63,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                         e = engines[arm]
                         before, tm0 = dict(e.runner.spec_counts), dict(e.runner.timing)
                         e.runner.step_cost.trace.clear()
-                        row_start = len(e.runner.step_cost._at(b)[1])  # verify samples the arm starts with
+                        row_start = e.runner.step_cost.verify_samples(b)  # what the arm's controller starts from
                         real = e.runner.proposer
                         if arm != "plain":
                             e.runner.proposer = ReplayProposer([p + t for p, t in zip(prompts, tails)], miss, vocab,

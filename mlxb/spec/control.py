@@ -194,6 +194,11 @@ class StepCost:
         self.since.clear()
         self.refill, self.orphan = 0, False
 
+    def verify_samples(self, rows: int) -> int:
+        """How many verify steps the cost at this batch size rests on."""
+        got = self.sizes.get(self.bucket(rows))
+        return len(got[1]) if got else 0
+
     def stale_at(self, rows: int) -> bool:
         """The last verify step at this size is ``PROBE`` plain steps old times its measured cost (at most
         ``SPAN``; its cost may have been a first-shape compile): without a probe a high cost would keep the bar
