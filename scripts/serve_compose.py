@@ -1,7 +1,7 @@
 """A served composition run through the ``openai`` SDK: start ``mlxb serve`` with the flags given, send one
 lone chat (a repetitive prompt, so lookup drafts), then six concurrent chats (rows cycle through the base and
 each adapter ``/v1/models`` lists) sharing a long system prompt
-(one with logprobs), a ``json_schema`` row, then a lone one again; print finish reasons, the speculation and prompt-cache counters
+(one with logprobs), a ``json_schema`` row, a forced tool call (``tool_choice: required``), then a lone one again; print finish reasons, the speculation and prompt-cache counters
 of ``/stats`` and ``/health``. Exits non-zero if a request fails or ``/health`` is not ok.
 
     python3 scripts/serve_compose.py PORT --model M [serve flags ...]
@@ -48,6 +48,12 @@ def main() -> int:
             print("json_schema row cut short:", r.choices[0].finish_reason, repr(r.choices[0].message.content[:80]))
             if r.choices[0].finish_reason != "length":
                 raise
+        tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                  "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+        r = client.chat.completions.create(model=model, max_tokens=60, tools=tools, tool_choice="required",
+                                           messages=[{"role": "user", "content": "open the readme"}])
+        calls = r.choices[0].message.tool_calls or []
+        print("forced tool row", r.choices[0].finish_reason, [(c.function.name, c.function.arguments[:40]) for c in calls])
         print("lone again", chat(9))
         eng = httpx.get(f"{base}/stats").json()["engine"]
         sp = eng.get("speculation") or {}
@@ -56,7 +62,8 @@ def main() -> int:
         if eng.get("lora"):
             print("lora_path", eng["lora"].get("lora_path"))
         pc = httpx.get(f"{base}/stats").json().get("prompt_cache") or {}
-        print("prompt cache", json.dumps({k: pc.get(k) for k in ("lookups", "hits", "cached_tokens")}))
+        print("prompt cache", json.dumps({k: pc.get(k) for k in ("lookups", "hits", "cached_tokens", "evictions", "ssd_restores",
+                                                                 "ssd_hashed", "ssd_prefetched") if k in pc}))
         health = httpx.get(f"{base}/health").json()
         print("health", health)
         return 0 if health.get("status") == "ok" else 1
