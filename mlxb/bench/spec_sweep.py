@@ -69,6 +69,7 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                             e.runner.proposer = ReplayProposer([p + t for p, t in zip(prompts, tails)], miss, vocab,
                                                                seed=rep)
                         failed = None
+                        pool_start = mx.get_cache_memory() / 1e9
                         mx.reset_peak_memory()
                         try:
                             tps = _decode_tps(e, prompts, gen, prefill_chunk)
@@ -85,7 +86,9 @@ def sweep(model, tokenizer, *, spec: SpecConfig, fixed: tuple[int, ...], misses:
                         # device memory: the arm's peak and what stays in use and in MLX's pool after it (the
                         # H100 ran out of memory in fixed-K arms at B=32, stop 67: where it went was not recorded)
                         row.update(peak_gb=mx.get_peak_memory() / 1e9, active_gb=mx.get_active_memory() / 1e9,
-                                   pool_gb=mx.get_cache_memory() / 1e9)
+                                   pool_gb=mx.get_cache_memory() / 1e9, pool_start_gb=pool_start)
+                        mx.clear_cache()  # untimed: the next arm starts from an empty pool (fixed-K arms left
+                        # 44-63 GB of free buffers on the H100 in stop 68 and the next arm ran out of device memory)
                         if arm == "auto":
                             row.update(steps_by_decision(e.runner.step_cost.trace, b))
                             row["cost_ratio"] = e.runner.step_cost.ratio_at(b)

@@ -75,6 +75,10 @@ def test_sweep_runs_every_arm_at_every_miss(tiny_models):
     assert fixed[0.0]["accepted"] == fixed[0.0]["drafted"] > 0 and fixed[1.0]["accepted"] == 0
     # every arm records its device memory: its peak covers at least what stays in use after it
     assert all(r["peak_gb"] > 0 and r["peak_gb"] >= r["active_gb"] >= 0 and r["pool_gb"] >= 0 for r in res["rows"])
+    # and every arm after the first starts from an empty pool of free buffers (what one arm left behind ran the
+    # next out of device memory on the H100); the first arm follows the untimed reference tails
+    assert any(r["pool_gb"] > 0 for r in res["rows"])
+    assert all(r["pool_start_gb"] == 0 for r in res["rows"][1:])
     # the untimed warm arm's verify times (first-shape compiles on a GPU) are not what the timed arms start from
     auto = [r for r in res["rows"] if r["arm"] == "auto"]
     assert auto[0]["verify_samples_at_start"] == 0
