@@ -136,7 +136,7 @@ def serve(
     if pc is None:
         console.print("prompt cache: off" + ("" if prompt_cache else " (--no-prompt-cache)"))
     else:
-        disk = f"SSD {pc.disk.root}{' (each rank its own tp<N>-rank<r> folder)' if tps is not None else ''} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
+        disk = f"SSD {pc.disk.root}{' (each rank its own tp<N>-rank<r> folder)' if tps is not None else ''} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB, leaves {pc.disk.reserve_bytes / 2**30:.1f} GiB free ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
         console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "
                       + "; ".join(f"{k} {v}" for k, v in pc.stats()["reuse"].items()))
     if os.environ.get("MLXB_SWITCH_INTERVAL"):  # diagnostic: how often Python hands the GIL between threads

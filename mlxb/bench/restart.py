@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import tempfile
 from typing import Callable, Optional
 
@@ -40,6 +41,7 @@ def run(model_path: str, tokenizer, vocab: int, *, prompt_len: int = 2048, outpu
             phases.append(("after-restart", asyncio.run(_one(srv.base_url, srv.model_name, payload, 2))))
         finally:
             srv.stop(grace=60)
+            shutil.rmtree(d, ignore_errors=True)  # this repeat's SSD folder: nothing later reads it
         for name, r in phases:
             req_rows.append({"cell": "restart", "stack": name, **r.to_row()})
             summ.append({"cell": "restart", "stack": name, "concurrency": 1, "repeat": rep,

@@ -8,6 +8,7 @@ server's output goes to a log file so a failure can be read afterwards.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,7 @@ class Server:
     proc: subprocess.Popen
     log_path: str
     flags: list[str]
+    owned_dir: Optional[str] = None  # the private SSD tier made for this start: removed when it stops
 
     @property
     def base_url(self) -> str:
@@ -72,6 +74,9 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()  # mlx_lm.server ignores a plain SIGTERM while serving
                 self.proc.wait(5)
+        if self.owned_dir is not None:  # an 8B model's tier holds tens of GB: a benchmark leaves none behind
+            shutil.rmtree(self.owned_dir, ignore_errors=True)
+            self.owned_dir = None
         return self.proc.returncode
 
 
@@ -98,11 +103,14 @@ def _base_command(stack: str, model_path: str, port: int, batch: int, prefill_st
 def start(stack: str, model_path: str, *, batch: int = 8, prefill_step: int = 2048, max_tokens: int = 512,
           ready_timeout: float = 300.0, prompt_cache_dir: Optional[str] = None, extra: tuple = ()) -> Server:
     port = free_port()
+    owned = None
+    if prompt_cache_dir is None and (stack == "mlxb" or stack in OFF_FLAGS):
+        prompt_cache_dir = owned = tempfile.mkdtemp(prefix="mlxb-bench-prompt-cache-")
     cmd = command(stack, model_path, port, batch, prefill_step, max_tokens, prompt_cache_dir, extra)
     log = tempfile.NamedTemporaryFile("w", prefix=f"mlxb-bench-{stack}-", suffix=".log", delete=False)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    srv = Server(stack, model_path, port, proc, log.name, cmd[3:])
+    srv = Server(stack, model_path, port, proc, log.name, cmd[3:], owned)
     deadline = time.monotonic() + ready_timeout
     try:
         while time.monotonic() < deadline:

@@ -25,6 +25,13 @@ running row: in an H100 served run with SSD restores, 17% of the engine thread's
 and 11% the hash alone (py-spy, ``reports/h100/session68``). A file changed on disk after it was verified
 changes its stat and is hashed again; one changed with its size, mtime and inode all kept is not detected
 until the next process.
+
+Free space: the tier never fills the disk it lives on. Before each write it checks the filesystem's free
+bytes (``shutil.disk_usage``); when the payload would leave less than ``reserve_bytes`` free (default: the
+larger of 2 GiB and 5% of the filesystem), it first evicts its own oldest files, and if that is not enough
+it skips the write (counted as ``skipped_full``). The byte cap alone did not do it: two servers on one
+64 GB disk, each with a 32 GB cap beside a 16 GB model, filled it and took the machine's other work down
+with them (H100, stops 68 and 69).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -61,21 +69,35 @@ def write_atomically(path: Path, save: Callable[[str, object], None], prepared) 
     """``save(tmp, prepared)`` to a temporary name beside ``path``, synced, then renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    save(str(tmp), prepared)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        save(str(tmp), prepared)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full, say) leaves no partial file behind
+        raise
+
+
+def default_reserve(total_bytes: int) -> int:
+    """Free bytes the SSD tier leaves on its filesystem: the larger of 2 GiB and 5% of it."""
+    return max(2 << 30, total_bytes // 20)
 
 
 class DiskTier:
     def __init__(self, root: str | Path, max_bytes: int, *, trimmable: dict[str, bool],
                  save: Callable[[str, object], None], prepare: Callable[[list], object] = lambda layers: layers,
-                 max_queue: int = 64):
+                 max_queue: int = 64, reserve_bytes: Optional[int] = None,
+                 disk_usage: Callable[[Path], tuple] = shutil.disk_usage):
         """``trimmable``: namespace -> reuse rule (only these namespaces are indexed);
         ``prepare(layers)`` runs on the caller's (engine) thread when an entry is spilled and
-        ``save(path, prepared)`` writes it on the writer thread."""
+        ``save(path, prepared)`` writes it on the writer thread. ``reserve_bytes``: free bytes every write
+        leaves on the filesystem (default ``default_reserve``); ``disk_usage(path)`` -> (total, used, free)."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._disk_usage = disk_usage
+        self.reserve_bytes = default_reserve(disk_usage(self.root)[0]) if reserve_bytes is None else reserve_bytes
+        self._full_warned = False
         self.index = PrefixCache(max_bytes, on_evict=self._delete)
         # queued, not yet written: still served (from their RAM layers) so a spill never loses a hit
         self._pending = PrefixCache(1 << 62)
@@ -90,7 +112,8 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()  # guards the index between the writer and the engine thread
         self.counters = {"spills": 0, "spill_dropped": 0, "writes": 0, "write_errors": 0, "restores": 0,
-                         "corrupt_skipped": 0, "load_s": 0.0, "hashed": 0, "prefetched": 0}
+                         "corrupt_skipped": 0, "load_s": 0.0, "hashed": 0, "prefetched": 0,
+                         "skipped_full": 0, "evicted_for_space": 0}
         self.scan()
         self._writer = threading.Thread(target=self._write_loop, name="mlxb-ssd-writer", daemon=True)
         self._writer.start()
@@ -197,7 +220,30 @@ class DiskTier:
                     self._unqueue(item[0])
                 self._queue.task_done()
 
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether a payload of ``nbytes`` leaves ``reserve_bytes`` free, after evicting this tier's own
+        oldest files if it would not."""
+        short = nbytes + self.reserve_bytes - self._disk_usage(self.root)[2]
+        if short > 0:
+            with self._lock:
+                before = self.index.num_evictions
+                self.index.evict(short)
+                self.counters["evicted_for_space"] += self.index.num_evictions - before
+            short = nbytes + self.reserve_bytes - self._disk_usage(self.root)[2]
+        if short <= 0:
+            self._full_warned = False
+            return True
+        self.counters["skipped_full"] += 1
+        if not self._full_warned:  # once per episode: the disk stays full for many writes
+            self._full_warned = True
+            log.warning("prompt cache: SSD tier skips writes: %s would leave less than %.1f GiB free on %s "
+                        "(--prompt-cache-disk-bytes caps the tier; 0 turns it off)",
+                        _gib(nbytes), self.reserve_bytes / 2**30, self.root)
+        return False
+
     def _write(self, entry: PrefixEntry, prepared, kinds: list, fingerprint: str) -> None:
+        if not self._room_for(entry.nbytes):
+            return
         payload, header = self._paths(entry.namespace, entry.tokens)
         write_atomically(payload, self._save, prepared)
         size = payload.stat().st_size
@@ -303,3 +349,7 @@ class DiskTier:
 def _stat_key(path: Path) -> tuple:
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

@@ -289,3 +289,38 @@ def test_each_cell_level_and_repeat_draws_its_own_prompt_text(tiny_models):
     assert text(auto) == text(auto)  # deterministic: the same for every stack of a run
     assert text(auto) != text(forced)
     assert text(auto) != text(auto, rep=1) and text(auto) != text(auto, conc=32) and text(auto) != text(auto, seed=8)
+
+
+def test_a_bench_server_removes_the_private_ssd_tier_it_was_given_and_keeps_a_named_one(tmp_path, monkeypatch):
+    """A private SSD folder per start (no earlier run's files) is deleted when that server stops: an 8B model's
+    tier holds tens of GB, and two such servers filled a 64 GB disk (H100, stop 69). A named folder stays."""
+    import subprocess
+    import sys
+
+    from mlxb.bench import servers
+
+    answer = ("import http.server, sys\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+              "    def log_message(self, *a): pass\n"
+              "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    real = subprocess.Popen
+    seen = []
+
+    def fake(cmd, **kw):  # the command as built, served by a stand-in that answers /v1/models
+        seen.append(cmd)
+        return real([sys.executable, "-c", answer, cmd[cmd.index("--port") + 1]], **kw)
+
+    monkeypatch.setattr(servers.subprocess, "Popen", fake)
+    srv = servers.start("mlxb-spec-off", "/m", ready_timeout=30)
+    d = Path(seen[-1][seen[-1].index("--prompt-cache-dir") + 1])
+    (d / "payload.safetensors").write_bytes(b"x")
+    assert d.is_dir() and srv.owned_dir == str(d)
+    srv.stop()
+    assert not d.exists()
+    named = tmp_path / "ssd"
+    named.mkdir()
+    srv = servers.start("mlxb", "/m", ready_timeout=30, prompt_cache_dir=str(named))
+    srv.stop()
+    assert named.is_dir() and srv.owned_dir is None
