@@ -140,11 +140,14 @@ class StepCost:
     SPAN = 8.0  # ... times the last measured cost (up to this): probes then cost at most ~1/PROBE of decoding
     REFILL = 2  # plain steps after a verify step (or an early read) that are not steady
     CAP = 33.0  # the largest verify cost kept, in plain steps; a verify step slower than that is not sampled
+    SETTLE = 3  # verify samples before a batch size's cost is settled; until then it is measured again ...
+    EARLY = 16  # ... after this many plain steps (one sample may be half a compile: H100, stop 69)
 
     def __init__(self, n: int = 16):
         self.n = n
         self.sizes: dict[int, tuple[deque, deque, deque]] = {}  # bucket -> (plain, verify, aligned plain) seconds
         self.since: dict[int, int] = {}  # bucket -> plain steps since its last verify step
+        self.settled: set[int] = set()  # buckets whose cost has rested on SETTLE samples (kept after a probe)
         self.refill = 0
         self.orphan = False  # the last verify step was dropped: its refill steps are charged to no one
         self.dropped = 0  # verify steps not sampled (slower than CAP plain steps)
@@ -176,9 +179,11 @@ class StepCost:
                 self.dropped += 1
                 self.since[b], self.refill, self.orphan = 0, self.REFILL, True
                 return
-            if self.stale_at(rows):  # a probe: the old verify costs are what it re-measures
+            if b in self.settled and self.stale_at(rows):  # a probe: the old verify costs are what it re-measures
                 ver.clear()
             ver.append([seconds, 0.0, 0])  # its own time, then the unsteady plain steps after it: sum, count
+            if len(ver) >= self.SETTLE:
+                self.settled.add(b)
             self.since[b], self.refill, self.orphan = 0, self.REFILL, False
             return
         self.since[b] = self.since.get(b, 0) + 1
@@ -192,6 +197,7 @@ class StepCost:
     def clear(self) -> None:
         self.sizes.clear()
         self.since.clear()
+        self.settled.clear()
         self.refill, self.orphan = 0, False
 
     def verify_samples(self, rows: int) -> int:
@@ -203,10 +209,16 @@ class StepCost:
         """The last verify step at this size is ``PROBE`` plain steps old times its measured cost (at most
         ``SPAN``; its cost may have been a first-shape compile): without a probe a high cost would keep the bar
         shut for good, and with a fixed period a machine where a verify step costs 5 plain steps (a 2-core CPU)
-        paid 4% of its decode time for probes (served tiny-llama, 8 clients)."""
+        paid 4% of its decode time for probes (served tiny-llama, 8 clients). Until a size's cost has rested on
+        ``SETTLE`` samples it is stale after ``EARLY`` plain steps: on an H100 (synth-llama-8b, B=8, stop 69) the
+        first timed verify step read 6.9 plain steps, the bar stayed shut for the whole sweep (~880 steps to the
+        next probe) while a fixed K=8 ran 1.73x plain at 10% wrong drafts (a cost of 6.9 allows at most 0.9x)."""
         if not self._at(rows)[1]:
             return False
-        since = self.since.get(self.bucket(rows), 0)
+        b = self.bucket(rows)
+        since = self.since.get(b, 0)
+        if b not in self.settled:
+            return since >= self.EARLY
         return since >= self.PROBE and since >= self.PROBE * min(self.ratio_at(rows), self.SPAN)
 
     def ratio_at(self, rows: int, aligned: bool = False) -> float:
