@@ -87,7 +87,22 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
         "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
         "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),
+        # what moved memory (the lines' ``mem``), in all, and the cohort iterations slower than twice their median:
+        # how many of them followed a pool return or a spill (a fresh allocation or a device-to-host read)
+        "mem_moved": {k: round(sum(d.get("mem", {}).get(k, 0) for d in its), 1)
+                      for k in sorted({k for d in its for k in d.get("mem", {})})},
+        "slow_cohorts": _slow(one, cohort_ms),
     }
+
+
+def _slow(one: list[dict], cohort_ms: list[float]) -> dict:
+    if not cohort_ms:
+        return {}
+    bar = 2 * sorted(cohort_ms)[len(cohort_ms) // 2]
+    slow = [d for d, ms in zip(one, cohort_ms) if ms > bar]
+    return {"n": len(slow), "of": len(one), "over_ms": round(bar, 1),
+            "with_pool_clears": sum(1 for d in slow if d.get("mem", {}).get("pool_clears")),
+            "with_spills": sum(1 for d in slow if d.get("mem", {}).get("spills"))}
 
 
 def main(argv: list[str]) -> int:

@@ -5,6 +5,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 _SLACK: list = []
+POOL = {"clears": 0, "cleared_bytes": 0}  # every return of MLX's free-buffer pool by mlxb (MLXB_TRACE reads it)
+
+
+def clear_pool() -> None:
+    """``mx.clear_cache()``, counted: on CUDA the next allocations pay again (a trace names where)."""
+    POOL["clears"] += 1
+    POOL["cleared_bytes"] += mx.get_cache_memory()
+    mx.clear_cache()
 
 
 def trim_allocator_cache(keep: int = 0) -> bool:
@@ -20,6 +28,6 @@ def trim_allocator_cache(keep: int = 0) -> bool:
         except Exception:
             _SLACK.append(1 << 30)
     if mx.get_cache_memory() > max(_SLACK[0], keep):
-        mx.clear_cache()
+        clear_pool()
         return True
     return False

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache
 
 from mlxb.cache import snapshot as snap
-from mlxb.cache.allocator import trim_allocator_cache
+from mlxb.cache.allocator import clear_pool, trim_allocator_cache
 from mlxb.cache.prefix import PrefixCache, PrefixEntry, PrefixMatch
 from mlxb.cache.ssd import DiskTier
 
@@ -304,7 +304,7 @@ class PromptCache:
         if active <= self.memory_limit:
             self.num_pool_trims += trim_allocator_cache()
             return 0
-        mx.clear_cache()
+        clear_pool()
         over = mx.get_active_memory() - self.memory_limit
         if over <= 0 or self.ram.total_bytes == 0:
             return 0

@@ -113,7 +113,7 @@ class DiskTier:
         self._lock = threading.Lock()  # guards the index between the writer and the engine thread
         self.counters = {"spills": 0, "spill_dropped": 0, "writes": 0, "write_errors": 0, "restores": 0,
                          "corrupt_skipped": 0, "load_s": 0.0, "hashed": 0, "prefetched": 0,
-                         "skipped_full": 0, "evicted_for_space": 0}
+                         "skipped_full": 0, "evicted_for_space": 0, "prepare_s": 0.0, "write_s": 0.0}
         self.scan()
         self._writer = threading.Thread(target=self._write_loop, name="mlxb-ssd-writer", daemon=True)
         self._writer.start()
@@ -193,8 +193,11 @@ class DiskTier:
                 return True  # already on disk
         with self._lock:
             queued = self._pending.insert(entry.namespace, entry.tokens, entry.layers, 0)
+        t0 = time.perf_counter()
+        prepared = self._prepare(entry.layers)  # on the engine thread (a device-to-host read on a GPU)
+        self.counters["prepare_s"] += time.perf_counter() - t0
         try:
-            self._queue.put((entry, self._prepare(entry.layers), list(kinds), fingerprint), block=block,
+            self._queue.put((entry, prepared, list(kinds), fingerprint), block=block,
                             timeout=60 if block else None)
         except queue.Full:
             self.counters["spill_dropped"] += 1
@@ -211,7 +214,9 @@ class DiskTier:
             try:
                 if item is None:
                     return
+                t0 = time.perf_counter()
                 self._write(*item)
+                self.counters["write_s"] += time.perf_counter() - t0
             except Exception as e:
                 self.counters["write_errors"] += 1
                 log.warning("prompt cache: SSD write failed: %s", e)

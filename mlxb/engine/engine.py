@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from mlxb.cache.allocator import trim_allocator_cache
+from mlxb.cache.allocator import clear_pool, trim_allocator_cache
 from mlxb.cache.shared import SharedBatchKVCache
 from mlxb.cache.protocol import admission_projection, layer_kinds
 from mlxb.engine.calls import EngineCalls
@@ -34,7 +34,7 @@ from mlxb.engine.scheduler import Scheduler
 from mlxb.engine.serial import SHUTTING_DOWN, run_serial
 from mlxb.engine.stream import OutputStream, Outbox
 from mlxb.engine.threads import release_thread_state, stop_at_exit, wait_gone
-from mlxb.engine.trace import IterationTrace
+from mlxb.engine.trace import IterationTrace, memory_activity
 from mlxb.errors import EngineFailure, EngineUnavailableError, MlxbError
 from mlxb.models.model_fixes import engine_view
 from mlxb.request import Request, RequestStatus
@@ -247,7 +247,7 @@ class Engine:
                     # NOTE: idle for a whole poll: give MLX's cached buffers back to the device for another
                     # process or the next burst. Not at once: the clear holds the GIL for milliseconds (6 ms
                     # on a 2-core CPU) while the last answer's consumer is still waking up.
-                    mx.clear_cache()
+                    clear_pool()
                     owed = False
                 if not busy:
                     self.runner.idle()
@@ -292,7 +292,7 @@ class Engine:
             if sh is not None and self.runner.read_live:  # (not under --tp: the other ranks could not follow)
                 sh.pressure = self.scheduler.memory_bound
             t0 = time.perf_counter()
-            self.trace.begin()
+            self.trace.begin(memory_activity(self.prompt_cache) if self.trace.on else None)
             before = dict(self.runner.timing) if self.trace.on else None
             self.runner.pieces = [] if self.trace.on else None
             with self.device_lock:
@@ -305,7 +305,7 @@ class Engine:
                                   grammar=sum(r.sampler.constraint is not None for r in self.runner.rows),
                                   step={k[:-2]: round(1000 * (v - before.get(k, 0.0)), 2)
                                         for k, v in self.runner.timing.items() if k.endswith("_s")},
-                                  pieces=self.runner.pieces)
+                                  pieces=self.runner.pieces, mem=memory_activity(self.prompt_cache))
             return out
         finally:
             self.delivery.flush()  # one wake-up per event loop for everything this iteration made

@@ -20,7 +20,7 @@ from typing import Optional
 import mlx.core as mx
 
 from mlxb.cache.prefix import PrefixMatch
-from mlxb.cache.allocator import trim_allocator_cache
+from mlxb.cache.allocator import clear_pool, trim_allocator_cache
 from mlxb.engine.scheduler import chunk_end
 from mlxb.request import Request, RequestStatus
 
@@ -161,7 +161,7 @@ class PrefixReuse:
         tier when ``whole`` (a repeated failure, a failed decode step). Emptying the tier on the first failure
         dropped a 32-agent fleet's every conversation at once (H100, stop 59: the next turns prefilled ~950
         tokens each instead of ~150, p95 TTFT 6.5 s), and most of it never reached the SSD tier."""
-        mx.clear_cache()
+        clear_pool()
         if self.cache is not None and "memory" in str(e).lower():
             tier = self.cache.nbytes
             self.cache.evict(tier if whole else min(tier, max(2 * need, tier // 4)))
