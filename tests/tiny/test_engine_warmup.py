@@ -104,15 +104,13 @@ def test_idle_engine_gives_cached_buffers_back_after_a_poll_not_before_the_last_
     model, tok, _, _ = tiny_models("tiny-llama")
     events = []
 
-    class Mx:  # the engine module's mx, with clear_cache recorded
-        def __getattr__(self, name):
-            return getattr(mx, name)
+    real = engine_mod.clear_pool
 
-        def clear_cache(self):
-            events.append("clear")
-            mx.clear_cache()
+    def clear_pool():  # the engine's pool return (a counted mx.clear_cache), recorded
+        events.append("clear")
+        real()
 
-    monkeypatch.setattr(engine_mod, "mx", Mx())
+    monkeypatch.setattr(engine_mod, "clear_pool", clear_pool)
     eng = Engine(model, tok, max_batch=2)
     eng.idle_poll_s = 1.0  # the second request surely arrives within the first poll
     eng.start()
