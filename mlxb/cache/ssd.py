@@ -27,8 +27,8 @@ changes its stat and is hashed again; one changed with its size, mtime and inode
 until the next process.
 
 Free space: the tier never fills the disk it lives on. Before each write it checks the filesystem's free
-bytes (``shutil.disk_usage``); when the payload would leave less than ``reserve_bytes`` free (default: the
-larger of 2 GiB and 5% of the filesystem), it first evicts its own oldest files, and if that is not enough
+bytes (``shutil.disk_usage``); when the payload would leave less than ``reserve_bytes`` free (default: 2% of
+the filesystem, between 2 and 10 GiB), it first evicts its own oldest files, and if that is not enough
 it skips the write (counted as ``skipped_full``). The byte cap alone did not do it: two servers on one
 64 GB disk, each with a 32 GB cap beside a 16 GB model, filled it and took the machine's other work down
 with them (H100, stops 68 and 69).
@@ -80,8 +80,9 @@ def write_atomically(path: Path, save: Callable[[str, object], None], prepared) 
 
 
 def default_reserve(total_bytes: int) -> int:
-    """Free bytes the SSD tier leaves on its filesystem: the larger of 2 GiB and 5% of it."""
-    return max(2 << 30, total_bytes // 20)
+    """Free bytes the SSD tier leaves on its filesystem: 2% of it, at least 2 GiB and at most 10 GiB (a share
+    alone would keep a 2 TB laptop disk with 60 GB free from ever writing)."""
+    return min(max(2 << 30, total_bytes // 50), 10 << 30)
 
 
 class DiskTier:

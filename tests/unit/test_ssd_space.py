@@ -93,6 +93,7 @@ def test_a_failed_save_leaves_no_partial_file(tmp_path):
     t.close()
 
 
-def test_the_default_reserve_is_2_gib_or_5_percent():
-    assert default_reserve(10 * GIB) == 2 * GIB
-    assert default_reserve(1000 * GIB) == 50 * GIB
+def test_the_default_reserve_is_2_percent_between_2_and_10_gib():
+    assert default_reserve(10 * GIB) == 2 * GIB  # a small disk: the floor
+    assert default_reserve(300 * GIB) == 6 * GIB
+    assert default_reserve(2000 * GIB) == 10 * GIB  # a large laptop disk with little free still takes writes
