@@ -123,12 +123,13 @@ def _print_summary(rows) -> None:
     turns = any(r.get("p95_ttft_later") is not None for r in rows)
     mixed = any(r.get("constrained") for r in rows)  # grammar rows beside free ones: the free rows' TPOT too
     for c in ("cell", "stack", "conc", "rep", "wave", "status", "tok/s", "req/s", "p50 ttft", "p95 ttft",
-              *(("p95 ttft turn>=2",) if turns else ()), "p50 tpot", *(("p50 tpot free",) if mixed else ()), "failed"):
+              *(("p95 ttft turn>=2",) if turns else ()), "p50 tpot", *(("p50 tpot free", "p50 itl free") if mixed else ()), "failed"):
         t.add_column(c)
     f = lambda v, n=3: "-" if v is None else f"{v:.{n}f}"  # noqa: E731
     for r in rows:
         t.add_row(r["cell"], r["stack"], str(r["concurrency"]), str(r["repeat"]), r.get("wave", "-"), r["status"],
                   f(r.get("output_throughput"), 1), f(r.get("request_throughput"), 2), f(r.get("p50_ttft")),
                   f(r.get("p95_ttft")), *((f(r.get("p95_ttft_later")),) if turns else ()), f(r.get("p50_tpot"), 4),
-                  *((f(r.get("p50_tpot_free"), 4),) if mixed else ()), str(r.get("failed", "-")))
+                  *((f(r.get("p50_tpot_free"), 4), f(r.get("p50_itl_free"), 4)) if mixed else ()),
+                  str(r.get("failed", "-")))
     console.print(t)

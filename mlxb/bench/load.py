@@ -98,6 +98,9 @@ def summarize(results: list[RequestResult]) -> dict:
     s["constrained"] = sum(r.constrained for r in ok)
     # rows with neither tools nor a grammar: beside grammar rows, or beside the same prompts unconstrained
     s.update(_pcts([r.tpot for r in ok if not r.constrained and not r.tools], "tpot_free"))
+    # their gaps between tokens: the median is the decode step those rows saw, whatever the arrivals did (TPOT
+    # also charges prefills of later arrivals run between their tokens, and so follows how arrivals line up)
+    s.update(_pcts([x for r in ok if not r.constrained and not r.tools for x in r.itls], "itl_free"))
     s.update(_pcts([x for r in ok for x in r.itls], "itl"))
     s.update(_pcts([r.e2el for r in ok], "e2el"))
     if any(r.turn is not None for r in results):  # conversations: what a returning agent waits for

@@ -255,9 +255,11 @@ def test_forced_tool_rows_and_their_control_mark_the_same_positions():
     for i, (tpot, tools, constrained) in enumerate([(0.01, False, False), (0.05, True, True), (0.03, True, False)]):
         r = L.RequestResult(i, 0.0, ok=True, ttft=0.1, e2el=0.1 + tpot * 9, completion_tokens=10, end=1.0)
         r.tools, r.constrained = tools, constrained
+        r.itls = [tpot] * 8 + [tpot * 10]  # one stall (a later arrival's prefill) among steady gaps
         rs.append(r)
     s = L.summarize(rs)
     assert s["constrained"] == 1 and s["p50_tpot_free"] == pytest.approx(0.01)
+    assert s["p50_itl_free"] == pytest.approx(0.01) and s["p50_itl"] == pytest.approx(0.03)  # the free rows' gaps only
 
 
 def test_json_results_carry_the_commit_machine_and_model(monkeypatch):
