@@ -60,8 +60,22 @@ def warm_up(engine, max_iterations: int = 200) -> dict:
     """Run the script on ``engine`` (not started); returns what ran and how long it took.
 
     A row the engine could never admit (a tiny ``--kv-budget`` or context limit) is left out; rows
-    still unfinished after ``max_iterations`` are cancelled, so the engine always ends idle."""
+    still unfinished after ``max_iterations`` are cancelled, so the engine always ends idle. The prompt cache's
+    SSD tier is detached meanwhile: with a RAM tier smaller than the warm-up's entries, every start wrote them to
+    the SSD folder and the next start restored them (its counters then mixed warm-up restores with traffic)."""
     assert not engine._thread.is_alive(), "warm up before start()"
+    pc = engine.prompt_cache
+    disk = pc.disk if pc is not None else None
+    if disk is not None:  # the SSD tier stays out of it: warm-up prompts are neither written there nor restored
+        pc.disk = None
+    try:
+        return _warm_up(engine, max_iterations)
+    finally:
+        if disk is not None:
+            pc.disk = disk
+
+
+def _warm_up(engine, max_iterations: int) -> dict:
     script = SCRIPT if engine.mode == "batch" else SERIAL
     if engine.prompt_cache is not None:  # the cache paths too: snapshots, borrowed rows, cached cohorts
         script = script + (PREFIX if engine.mode == "batch" else SERIAL_PREFIX)

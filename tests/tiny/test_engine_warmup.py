@@ -56,6 +56,25 @@ def test_warm_up_respects_a_small_kv_budget(tiny_models):
     assert warm_up(none)["requests"] == 0
 
 
+def test_warm_up_leaves_the_ssd_tier_alone(tiny_models, tmp_path):
+    """With a RAM tier smaller than the warm-up's entries, the warm-up's evictions are not written to the SSD
+    folder (every start wrote them, and the next start restored them), and the tier is attached again after."""
+    from mlxb.cache.prompt_cache import PromptCache
+    from mlxb.engine.warmup import warm_up
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=4)
+    pc = PromptCache(model, eng.kinds, max_bytes=200_000, disk_dir=tmp_path, disk_bytes=1 << 30)
+    eng.attach_prompt_cache(pc)
+    disk = pc.disk
+    stats = warm_up(eng)
+    assert stats["cached_tokens"] > 0  # the cache paths ran
+    assert disk.flush(10) and disk.num_entries == 0 and not list(tmp_path.rglob("*.safetensors"))
+    assert disk.counters["spills"] == 0 and disk.counters["restores"] == 0
+    assert pc.disk is disk  # attached again for traffic
+    pc.close()
+
+
 def test_warm_up_compiles_the_fused_attention_variants_only_where_the_kernel_is_on(tiny_models, monkeypatch):
     """With --kv-attention fused on (CUDA), the warm-up ends by compiling every query count's kernel for the shapes
     its forwards sent (with a shared prefix too where sharing is on); off (Metal, CPU, mlx-lm), it does not."""
