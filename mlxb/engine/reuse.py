@@ -44,7 +44,7 @@ class PrefixReuse:
         """On the submitting thread, as a request arrives: the SSD tier checks the file its lookup may restore
         ahead of admission, so the engine thread does not hash it while every running row waits."""
         pc = self.cache
-        if pc is not None and pc.disk is not None and req.cache_prompt and req.num_prompt_tokens > 1:
+        if pc is not None and req.cache_prompt and req.num_prompt_tokens > 1:  # (no SSD tier: nothing to do)
             pc.prefetch(req.prompt_ids, req.num_prompt_tokens - 1, req.adapter)
 
     # ---- scheduler callbacks (token counts and bytes only) -----------------------------------
