@@ -243,27 +243,35 @@ def _live_joiners(model, tok, cache: bool, fault: frozenset = frozenset()):
                      capture=lambda rid, s, t, v, g: caps.__setitem__((rid, s), v.copy()))
         if cache:
             eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
-        eng.start()
-        try:
-            streams, reqs = [], []
-            for i, p in enumerate(first + later):
-                if i == 3:  # the first wave decodes over its shared prefix
-                    deadline = time.time() + 30
-                    while len(eng.runner.rows) < 3 and time.time() < deadline:
-                        time.sleep(0.002)
-                if i == 4:
-                    time.sleep(0.01)
-                req = Request(f"r{i}", p, 40 if i < 3 else 12)
-                req.mechanism = "continuous"
-                st = OutputStream(req.request_id)
-                eng.submit(req, st)
-                streams.append(st)
-                reqs.append(req)
-            toks = [[o.token for o in st if o.token is not None] for st in streams]
-            counts = dict(eng.runner.sharing.counts) if eng.runner.sharing else None
-            cached = [r.cached_tokens for r in reqs]
-        finally:
-            eng.shutdown()
+        streams, reqs = [], []
+
+        def submit(i: int, p: list) -> None:
+            req = Request(f"r{i}", p, 40 if i < 3 else 12)
+            req.mechanism = "continuous"
+            st = OutputStream(req.request_id)
+            eng.accept(req, st)  # an engine driven here, iteration by iteration: no timing decides who joins how
+            streams.append(st)
+            reqs.append(req)
+
+        for i, p in enumerate(first):
+            submit(i, p)
+        for _ in range(20):  # the first wave prefills and decodes over its shared prefix
+            if len(eng.runner.rows) == 3:
+                break
+            eng.iterate()
+        assert len(eng.runner.rows) == 3
+        submit(3, later[0])
+        eng.iterate()  # one joiner alone
+        for i, p in enumerate(later[1:], start=4):
+            submit(i, p)  # then a burst, admitted together: a cohort
+        for _ in range(200):
+            if not eng._live:
+                break
+            eng.iterate()
+        assert not eng._live
+        toks = [[o.token for o in st if o.token is not None] for st in streams]
+        counts = dict(eng.runner.sharing.counts) if eng.runner.sharing else None
+        cached = [r.cached_tokens for r in reqs]
         res[share_min] = (toks, caps, counts, cached)
     return res
 
