@@ -107,7 +107,9 @@ class Engine:
                          "cohort_splits": 0}
         self._requeued_this_iteration = False
         self.delivery = Delivery(self.eos_ids, self.counters)
-        self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token
+        self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token, and early where
+        # a slow part follows: after the joiners' first tokens (before the decode step) and after finished rows' last
+        # outputs (before their caches are stored)
         self._live: dict[str, Live] = self.delivery.live  # the same dict: the engine admits, delivery retires
         self._stop = threading.Event()
         self.fatal: Optional[BaseException] = None
@@ -395,5 +397,6 @@ class Engine:
         if out.prefills:
             r.timing["prefill_s"] += time.perf_counter() - t_prefill
             r.timing["prefill_iterations"] += 1
+            self.delivery.flush()  # the joiners' first tokens leave before the decode step, not after it
         if r.rows:  # running rows, plus joiners that joined just now
             decode_and_retire(self)

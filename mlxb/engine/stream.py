@@ -9,7 +9,9 @@ critical path):
   engine thread spends most of a step inside MLX with the GIL released, so this work overlaps it.
 * **One wake-up per loop per iteration.** Outputs for asyncio consumers are collected in an
   ``Outbox`` during an engine iteration and handed to each event loop with a single
-  ``call_soon_threadsafe`` (one self-pipe write) instead of one per token.
+  ``call_soon_threadsafe`` (one self-pipe write) instead of one per token. Where a slow part of the
+  iteration would hold outputs that are ready (joiners' first tokens before the decode step, finished
+  rows' last outputs before their caches are stored) the engine flushes early: at most three a loop.
 """
 
 from __future__ import annotations

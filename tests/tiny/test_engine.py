@@ -303,3 +303,51 @@ def test_a_fleets_next_turns_join_in_one_cohort_and_keep_their_tokens(tiny_model
     assert (admitted[0] == 6) is rule, admitted  # rule on: all six in the first iteration
     assert rule or sum(1 for a in admitted if a) >= 3  # one chunk (16 tokens) per iteration: 2 turns at most
 
+
+
+class _RecordingLoop:
+    """Stands in for the server's event loop: records what each cross-thread hand-off carries, in order with
+    the engine's own steps (``events``)."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def call_soon_threadsafe(self, fn, items):
+        self.events.append(("flush", [(it.request_id, it.finish_reason) for _, it in items if hasattr(it, "request_id")]))
+
+
+def test_outputs_leave_before_the_slow_parts_of_their_iteration(tiny_models):
+    """Joiners' first tokens reach their consumers before the iteration's decode step, and finished rows' last
+    outputs before their caches are stored in the prompt cache (both waited for the end of the iteration)."""
+    import asyncio
+
+    from mlxb.cache.prompt_cache import PromptCache
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=4)
+    eng.attach_prompt_cache(PromptCache(model, eng.kinds, max_bytes=1 << 30))
+    events: list = []
+    loop = _RecordingLoop(events)
+    decode, store = eng.runner.decode_step, eng.reuse.put_finished_many
+    eng.runner.decode_step = lambda: (events.append(("decode", None)), decode())[1]
+    eng.reuse.put_finished_many = lambda rows: (events.append(("store", len(rows))), store(rows))[1]
+    for i, (p, n) in enumerate(zip(prompts(2, seed=3), (3, 6))):
+        req = Request(f"r{i}", p, n)
+        req.mechanism = "continuous"
+        st = OutputStream(req.request_id)
+        st._loop, st._aq = loop, asyncio.Queue()  # as if made with loop=
+        eng.accept(req, st)
+    for _ in range(50):
+        if not eng._live:
+            break
+        eng.iterate()
+    assert not eng._live
+
+    def first(kind, pred=lambda x: True):
+        return next(i for i, (k, x) in enumerate(events) if k == kind and pred(x))
+
+    token0 = first("flush", lambda xs: any(rid == "r0" for rid, _ in xs))
+    assert token0 < first("decode"), events[:6]
+    r0_done = first("flush", lambda xs: ("r0", "length") in xs)
+    assert r0_done < first("store"), events
+    assert events[first("store") - 1][0] == "flush", events  # nothing between the last outputs and the store
