@@ -12,6 +12,11 @@ import mlx.core as mx
 from mlxb.cache.holes import compact, compaction, mark_holes, new_holes
 
 HOLE_MIN, HOLE_FRACTION = 32, 8  # compact a batch layer's holes past max(32, width / 8) in one row
+# MLX's buffer pool is checked (trimmed past its slack, mlxb.cache.allocator) every this many verify steps: their
+# shapes change from step to step (width, holes, rollbacks), so freed buffers fit later requests less often than a
+# plain step's; with no check in verify steps an H100 sweep's fixed K=8 arm at B=32 grew the pool to 57.6 GB and
+# ran out of device memory (reports/h100/session69)
+VERIFY_TRIM_STEPS = 32
 
 
 def accept_sampled(sampler, logprobs: mx.array, draft: int, q: Optional[mx.array] = None) -> tuple[int, bool]:
@@ -87,6 +92,8 @@ def settle(r, kept: list[int], last: list[int], width: int) -> None:
     r.pending = [None] * len(r.rows)
     r.pending_geo = None
     r.num_steps += 1
+    if r.num_steps % VERIFY_TRIM_STEPS == 0:  # as the plain step does every 256 steps (Engine.iterate trims)
+        r.trim_wanted = True
     r.last_verify = (kept, last, width)
     r._align()
 

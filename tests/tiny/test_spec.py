@@ -299,3 +299,36 @@ def test_adaptive_speculation_compacts_the_holes_when_the_batch_goes_plain(tiny_
             if hasattr(x, "request_id") and x.token is not None:
                 got.append(x.token)
         assert tokens(a) == got
+
+
+def test_verify_steps_have_the_buffer_pool_checked(tiny_models, monkeypatch):
+    """A run of verify steps only (fixed K, every draft wrong, no prefill after the start) still has MLX's buffer
+    pool checked against its slack as plain steps do (``VERIFY_TRIM_STEPS``): without it the pool of an H100's
+    fixed-K arm grew until the device ran out of memory."""
+    import mlxb.engine.engine as engine_mod
+    from mlxb.spec.rows import VERIFY_TRIM_STEPS
+
+    class Wrong:  # always drafts, never right: every step is a verify step that keeps one token
+        shadows = False
+
+        def propose(self, history, k):
+            return [3] * k
+
+    model, tok, _, _ = tiny_models("tiny-llama")
+    eng = Engine(model, tok, max_batch=2, prefill_chunk=64, spec=SPEC)
+    eng.runner.proposer = Wrong()
+    checks = []
+    monkeypatch.setattr(engine_mod, "trim_allocator_cache", lambda keep=0: checks.append(eng.runner.num_steps))
+    rng = np.random.default_rng(4)
+    for i in range(2):
+        r = Request(f"r{i}", rng.integers(5, 8000, size=20).tolist(), 3 * VERIFY_TRIM_STEPS, ignore_eos=True)
+        eng.accept(r, OutputStream(r.request_id))
+    while eng._live and eng.runner.num_steps < 2:  # prefill (which asks for a check) and the first steps
+        eng.iterate()
+    checks.clear()
+    verify_before = eng.runner.spec_counts["verify_steps"]
+    while eng._live:
+        eng.iterate()
+    verified = eng.runner.spec_counts["verify_steps"] - verify_before
+    assert verified >= 2 * VERIFY_TRIM_STEPS
+    assert len(checks) >= verified // VERIFY_TRIM_STEPS - 1, (checks, verified)
