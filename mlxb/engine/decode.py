@@ -16,6 +16,7 @@ from mlxb.engine.sampler import sample_rows
 from mlxb.spec.verify import decode as spec_decode
 
 GRAMMAR_ONE_LAUNCH = os.environ.get("MLXB_GRAMMAR_ONE_LAUNCH") == "1"
+PLAIN_TRIM_STEPS = 256  # MLX's buffer pool is checked every this many plain steps (a verify step: VERIFY_TRIM_STEPS)
 
 
 class Decode:
@@ -26,6 +27,13 @@ class Decode:
         (a sampled row that asks for none kept a [1, V] copy a step for nothing)."""
         sp = row.req.sampling
         return self.capture is not None or bool(sp.logprobs or sp.top_logprobs)
+
+    def count_step(self, trim_every: int) -> None:
+        """One decode step done (plain or verify); every ``trim_every`` steps MLX's buffer pool is checked
+        against its slack once the iteration's tokens are out (``Engine.iterate``)."""
+        self.num_steps += 1
+        if self.num_steps % trim_every == 0:
+            self.trim_wanted = True
 
     def decode_step(self) -> list:
         """A verify step where some row has drafts (--spec), otherwise a plain pipelined step."""
@@ -82,9 +90,7 @@ class Decode:
         self.register, self.pending = sampled, new_pending
         if self.capture is not None:
             self.pending_geo = self._geometry()
-        self.num_steps += 1
-        if self.num_steps % 256 == 0:
-            self.trim_wanted = True
+        self.count_step(PLAIN_TRIM_STEPS)
         tm = self.timing
         tm["steps"] += 1
         tm["rows"] += len(rows)

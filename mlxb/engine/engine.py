@@ -107,9 +107,7 @@ class Engine:
                          "cohort_splits": 0}
         self._requeued_this_iteration = False
         self.delivery = Delivery(self.eos_ids, self.counters)
-        self.delivery.outbox = Outbox()  # flushed at the end of every iteration and serial token, and early where
-        # a slow part follows: after the joiners' first tokens (before the decode step) and after finished rows' last
-        # outputs (before their caches are stored)
+        self.delivery.outbox = Outbox()  # flushed per iteration and serial token, and early (mlxb/engine/stream.py)
         self._live: dict[str, Live] = self.delivery.live  # the same dict: the engine admits, delivery retires
         self._stop = threading.Event()
         self.fatal: Optional[BaseException] = None

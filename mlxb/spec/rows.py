@@ -91,9 +91,7 @@ def settle(r, kept: list[int], last: list[int], width: int) -> None:
     r.register = mx.array(last, dtype=mx.uint32)
     r.pending = [None] * len(r.rows)
     r.pending_geo = None
-    r.num_steps += 1
-    if r.num_steps % VERIFY_TRIM_STEPS == 0:  # as the plain step does every 256 steps (Engine.iterate trims)
-        r.trim_wanted = True
+    r.count_step(VERIFY_TRIM_STEPS)
     r.last_verify = (kept, last, width)
     r._align()
 
