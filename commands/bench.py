@@ -16,7 +16,7 @@ from mlxb.commands.bench_stacks import _print_summary, _resolved_args, _run_seed
 app = typer.Typer(help="Benchmarks: engine (in-process), load and features (live SSE).", no_args_is_help=True)
 
 
-PEERS = ("mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline", "mlxb-fused-off")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
+PEERS = ("mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline", "mlxb-fused-off", "mlxb-gil-0.5ms")  # stacks --peer starts beside mlxb (mlxb.bench.servers)
 
 
 @app.command("load")
@@ -26,7 +26,7 @@ def load(
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
     stack: str = typer.Option("mlxb", "--stack", help="Name recorded for the --base-url stack."),
-    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) mlxb-spec-off (mlxb serve --spec off: speculation on against off) mlxb-share-off (mlxb serve --no-share-prefix: shared-prefix KV on against off) mlxb-prep-inline (mlxb serve --prep-threads 0: requests tokenized on the event loop) or mlxb-fused-off (mlxb serve --kv-attention mlx-lm, against the fused kernels that MLXB_KV_ATTENTION=fused gives the mlxb stack)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Also start this stack on the same model folder and run the identical load, A/B alternated: mlx-lm (mlx_lm.server) mlxb-spec-off (mlxb serve --spec off: speculation on against off) mlxb-share-off (mlxb serve --no-share-prefix: shared-prefix KV on against off) mlxb-prep-inline (mlxb serve --prep-threads 0: requests tokenized on the event loop) mlxb-fused-off (mlxb serve --kv-attention mlx-lm, against the fused kernels that MLXB_KV_ATTENTION=fused gives the mlxb stack) or mlxb-gil-0.5ms (mlxb serve --switch-interval-ms 0.5: the GIL handed between threads every 0.5 ms)."),
     dataset: str = typer.Option("random", "--dataset", help="random | shared-prefix | multi-turn | agent-loop | FILE.jsonl"),
     concurrency: str = typer.Option("1,2,4,8", "--concurrency", help="Closed loop: comma-separated concurrency levels."),
     requests: int = typer.Option(16, "--requests", min=1, help="Closed loop: requests per level."),
@@ -133,7 +133,7 @@ def features(
     matrix: Path = typer.Option(Path("matrices/features.toml"), "--matrix", help="Feature matrix TOML."),
     model: ModelOpt = None,
     dtype: DtypeOpt = None,
-    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, mlxb-spec-off (speculation on against off) mlxb-share-off (shared-prefix KV on against off) mlxb-prep-inline (--prep-threads 0) or mlxb-fused-off (--kv-attention mlx-lm)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="Peer stack started on the same folder: mlx-lm, mlxb-spec-off (speculation on against off) mlxb-share-off (shared-prefix KV on against off) mlxb-prep-inline (--prep-threads 0), mlxb-fused-off (--kv-attention mlx-lm) or mlxb-gil-0.5ms (--switch-interval-ms 0.5)."),
     cells: Optional[list[str]] = typer.Option(None, "--cell", help="Only these cells (repeatable)."),
     scale: float = typer.Option(1.0, "--scale", help="Multiply the matrix's prompt lengths (e.g. 0.25 on a small CPU); recorded in every row."),
     repeats: Optional[int] = typer.Option(None, "--repeats", min=1, help="Override the matrix's repeats."),

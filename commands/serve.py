@@ -63,6 +63,7 @@ def serve(
     share_min_tokens: int = typer.Option(256, "--share-min-tokens", help="The fewest common prompt tokens worth sharing."),
     share_f32_values: bool = typer.Option(False, "--share-f32-values", help="A shared prefix of a half-precision model also keeps its values in float32 while requests are not waiting for KV budget: a faster decode step (about 9% at 32 rows over 6k tokens on an H100) for the prefix's values held twice. Off: the prefix is stored once and cast per step (the same bits)."),
     prep_threads: int = typer.Option(4, "--prep-threads", min=0, help="Threads that validate and tokenize requests off the event loop (a burst of long prompts is tokenized in parallel while other requests stream); 0 does it on the loop."),
+    switch_interval_ms: Optional[float] = typer.Option(None, "--switch-interval-ms", min=0.01, help="How long a Python thread may hold the GIL before another thread that wants it gets it (sys.setswitchinterval, in ms); default Python's 5 ms. While the engine thread builds a step, the event loop and the tokenizing threads wait up to this long for each turn."),
     warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Run every batching path once with tiny prompts before serving, so first-use kernel compiles (seconds on CUDA) do not stall the first joiners."),
 ) -> None:
     """Serve MODEL (default: the embedded tiny-llama synthetic model) over an OpenAI-compatible API."""
@@ -139,9 +140,10 @@ def serve(
         disk = f"SSD {pc.disk.root}{' (each rank its own tp<N>-rank<r> folder)' if tps is not None else ''} cap {pc.disk.index.max_bytes / 2**30:.1f} GiB, leaves {pc.disk.reserve_bytes / 2**30:.1f} GiB free ({pc.disk.num_entries} entries found)" if pc.disk else "SSD off"
         console.print(f"prompt cache: RAM cap {pc.ram.max_bytes / 2**30:.2f} GiB, {disk}; reuse: "
                       + "; ".join(f"{k} {v}" for k, v in pc.stats()["reuse"].items()))
-    if os.environ.get("MLXB_SWITCH_INTERVAL"):  # diagnostic: how often Python hands the GIL between threads
-        sys.setswitchinterval(float(os.environ["MLXB_SWITCH_INTERVAL"]))
-        console.print(f"GIL switch interval: {sys.getswitchinterval() * 1000:g} ms (MLXB_SWITCH_INTERVAL)")
+    if switch_interval_ms is not None or os.environ.get("MLXB_SWITCH_INTERVAL"):  # how often Python hands the GIL over
+        sys.setswitchinterval(switch_interval_ms / 1000 if switch_interval_ms is not None
+                              else float(os.environ["MLXB_SWITCH_INTERVAL"]))  # (the variable: seconds)
+        console.print(f"GIL switch interval: {sys.getswitchinterval() * 1000:g} ms")
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
                             access_log=log_level == "debug")
     server = _server(config, gw.engine)

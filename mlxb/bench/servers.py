@@ -20,9 +20,11 @@ from typing import Optional
 
 import httpx
 
-STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline", "mlxb-fused-off")  # mlxb with one feature off (on against off)
+STACKS = ("mlxb", "mlx-lm", "mlxb-spec-off", "mlxb-share-off", "mlxb-prep-inline", "mlxb-fused-off",
+          "mlxb-gil-0.5ms")  # mlxb with one feature off (on against off)
 OFF_FLAGS = {"mlxb-spec-off": ["--spec", "off"], "mlxb-share-off": ["--no-share-prefix"],
-             "mlxb-prep-inline": ["--prep-threads", "0"], "mlxb-fused-off": ["--kv-attention", "mlx-lm"]}
+             "mlxb-prep-inline": ["--prep-threads", "0"], "mlxb-fused-off": ["--kv-attention", "mlx-lm"],
+             "mlxb-gil-0.5ms": ["--switch-interval-ms", "0.5"]}  # the GIL handed over every 0.5 ms, not Python's 5
 
 
 def free_port() -> int:

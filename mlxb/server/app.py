@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -357,6 +358,7 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
                              "shared_prefix": s["shared_prefix"],
                              "engine": {k: v for k, v in s.items() if k not in batch and k not in ("prompt_cache",
                                                                                                   "shared_prefix")},
+                             "gil_switch_interval_ms": round(sys.getswitchinterval() * 1000, 4),
                              "uptime_s": round(time.time() - started, 3), "alive": gw.engine.alive})
 
     async def metrics_route(request: Request):

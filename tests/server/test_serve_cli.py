@@ -196,3 +196,20 @@ def test_mlxb_serve_refuses_an_unknown_lora_path():
                          capture_output=True, text=True, timeout=120)
     out = bad.stdout + bad.stderr
     assert bad.returncode != 0 and "--lora-path" in out and "stacked" in out and "Traceback" not in out
+
+
+def test_mlxb_serve_sets_the_gil_switch_interval():
+    """--switch-interval-ms reaches the process (sys.setswitchinterval); the start-up line and /stats say so."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxb.commands.main", "serve", "--port", str(port), "--no-warmup",
+                             "--switch-interval-ms", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        url = wait_healthy(proc, port)
+        assert httpx.get(url + "/stats").json()["gil_switch_interval_ms"] == 0.5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "GIL switch interval: 0.5 ms" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
