@@ -74,6 +74,8 @@ class SamplingParams:
 @dataclass
 class Timings:
     submitted: float = field(default_factory=time.perf_counter)
+    received: Optional[float] = None  # the server's handler got the request (perf_counter; None outside a server)
+    prepared: Optional[float] = None  # a prep thread (or the loop) began validating and tokenizing it
     admitted: Optional[float] = None
     prefill_done: Optional[float] = None
     first_token: Optional[float] = None

@@ -3,7 +3,8 @@
     python scripts/trace_summary.py TRACE.jsonl [--since SECONDS] [--json OUT.json]
 
 Per request (``token0`` events): queue wait (submitted -> admitted), prefill (admitted -> token 0), the
-uncached tokens it prefilled and the size of the cohort it was prefilled in. Per iteration: wall ms of
+uncached tokens it prefilled and the size of the cohort it was prefilled in; per served request (``submit``
+events), its path from the server's handler through tokenization to the engine. Per iteration: wall ms of
 decode-only iterations and of iterations with joiner prefill, and each phase's share (``seed``,
 ``cohort``, ``chunk``, ``snapshot``, ``token0``, ``join``, ``decode``, ``retire``). A diagnostic, not a
 benchmark: the phases are host wall time between marks, so a phase that reads a result also waits for
@@ -56,6 +57,7 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
     cohort_ms = [dict(d["phases"])["cohort"] for d in one]
     subs = [d for d in lines if d.get("event") == "submit" and d["t"] >= since and d.get("made") is not None]
     made = sorted(e["made"] for e in subs)
+    recv = sorted(e["recv"] for e in subs if "recv" in e)
     return {
         "iterations": len(its),
         "decode_only_ms": pcts(d["ms"] for d in decode_only),
@@ -87,6 +89,13 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
         "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
         "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),
+        # a served request's path to the engine (submit events with ``recv``/``prep``): the handler got it -> a prep
+        # thread began on it (body read, JSON parsed, a free prep thread and the GIL) -> built (tokenized) -> the
+        # engine took it in; and the gaps between handler arrivals within a burst (what the clients and HTTP spread)
+        "recv_to_prep_ms": pcts(1000 * (e["prep"] - e["recv"]) for e in subs if "recv" in e and "prep" in e),
+        "prep_to_made_ms": pcts(1000 * (e["made"] - e["prep"]) for e in subs if "prep" in e),
+        "recv_to_engine_ms": pcts(1000 * (e["t"] - e["recv"]) for e in subs if "recv" in e),
+        "recv_gap_ms": pcts(1000 * (b - a) for a, b in zip(recv, recv[1:]) if b - a < 0.25),
         # what moved memory (the lines' ``mem``), in all, and the cohort iterations slower than twice their median:
         # how many of them followed a pool return or a spill (a fresh allocation or a device-to-host read)
         "mem_moved": {k: round(sum(d.get("mem", {}).get(k, 0) for d in its), 1)

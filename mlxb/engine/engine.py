@@ -346,7 +346,7 @@ class Engine:
         live = Live(req, stream, detok)
         self._live[req.request_id] = live
         self.counters["requests"] += 1
-        self.trace.event("submit", prompt=req.num_prompt_tokens, made=self.trace.since_start(req.timings.submitted))
+        self.trace.submitted(req)
         if req.mechanism == "serial":
             req.status = RequestStatus.SERIAL
             self._serial.append(live)

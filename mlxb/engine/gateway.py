@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ class GenerationInput:
     response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
     structured_outputs: Optional[dict] = None  # vLLM's extension: one of json / regex / grammar / choice
     adapter: Optional[str] = None  # a LoRA adapter loaded with --adapters (None: the base model)
+    received: Optional[float] = None  # when the server's handler got it (time.perf_counter), for the trace
 
 
 class Gateway:
@@ -214,6 +216,7 @@ class Gateway:
         return [k] if k >= self.engine.scheduler.min_shared else []
 
     def build(self, inp: GenerationInput) -> Request:
+        began = time.perf_counter()
         sampling = inp.sampling or SamplingParams()
         self.validate_sampling(sampling)
         max_tokens = self.default_max_tokens if inp.max_tokens is None else inp.max_tokens
@@ -235,6 +238,7 @@ class Gateway:
                       ignore_eos=inp.ignore_eos, cache_prompt=inp.cache_prompt, num_draft_tokens=k, adapter=slot,
                       snapshot_at=self.system_mark(inp, ids, chat))
         req.reply_ids = [] if remember else None
+        req.timings.received, req.timings.prepared = inp.received, began
         req.constraint, req.tool_format = self.constraint(inp)
         req.mechanism = self.place(req)
         self.engine.check_admissible(req)

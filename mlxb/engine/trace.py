@@ -75,6 +75,14 @@ class IterationTrace:
         if self._f is not None:
             self._f.write(json.dumps({"t": round(time.perf_counter() - self._t0, 4), "event": name, **kw}) + "\n")
 
+    def submitted(self, req) -> None:
+        """The engine took ``req`` in: its path there, as seconds since start: ``recv`` (the server's handler got
+        it), ``prep`` (validation and tokenization began), ``made`` (the request was built); the line's ``t`` is now."""
+        if self._f is not None:
+            tm = req.timings
+            self.event("submit", prompt=req.num_prompt_tokens, made=self.since_start(tm.submitted),
+                       **{k: self.since_start(v) for k, v in (("recv", tm.received), ("prep", tm.prepared)) if v is not None})
+
     def close(self) -> None:
         if self._f is not None:
             self._f.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Optional
 
 from starlette.requests import ClientDisconnect, Request
@@ -24,11 +25,12 @@ def agent_routes(gw, h) -> list[Route]:
     async def begin(request: Request, kind: str, translate, error_body):
         """Auth, body, translation onto the chat path and submission: (row, stream, options, what the
         translation returned besides the chat body), or the error as a response in the API's own shape."""
+        received = time.perf_counter()
         try:
             h.check_auth(request)
             body, extra = translate(await h.read_json(request))
             inp, opts = P.parse(body, chat=True, default_max_tokens=gw.default_max_tokens)
-            inp.adapter = h.adapter(opts)
+            inp.adapter, inp.received = h.adapter(opts), received
             req, stream = await gw.submit_async(inp, asyncio.get_running_loop())
         except MlxbError as e:
             h.metrics.requests.labels(kind, f"http_{e.status}").inc()

@@ -82,12 +82,12 @@ def create_app(gateway: Gateway, *, api_key: Optional[str] = None, max_body_byte
             raise ValidationError(f"malformed JSON body: {e}") from None
 
     async def completions(request: Request, chat: bool):
-        subs = []
+        subs, received = [], time.perf_counter()
         try:
             check_auth(request)
             body = await read_json(request)
             inp, opts = P.parse(body, chat=chat, default_max_tokens=gw.default_max_tokens)
-            inp.adapter = _adapter(opts)
+            inp.adapter, inp.received = _adapter(opts), received
             loop = asyncio.get_running_loop()
             echoes, prompt_lens = [], []  # echo: per choice, the prompt's text and logprobs block
             for k, (text, ids) in enumerate(opts["prompts"]):  # a completions batch: prompt by prompt
