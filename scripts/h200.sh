@@ -436,7 +436,8 @@ for h, d in ((128, mx.bfloat16), (128, mx.float32), (64, mx.bfloat16)): print('m
       --concurrency ${LEVELS:-16,32} --output-len ${GEN:-128} --repeats ${REPEATS:-2} 2>&1 | grep -v Warning | tail -${TAIL:-30}
     for f in $OUT/trace-agentloop*.jsonl; do
       [ -s "$f" ] || continue; echo "== $f"; s=${f%.jsonl}; s=${s/trace-/trace-summary-}
-      python3 "$here/scripts/trace_summary.py" "$f" --json "$s.json" 2>&1 | tail -${TRACE_TAIL:-12}; gzip -f "$f"
+      python3 "$here/scripts/trace_summary.py" "$f" --json "$s.json" 2>&1 | grep -E "^(${TRACE_KEYS:-decode_only_ms|with_prefill_ms|queue_wait|prefill_ms|cohort_size|arrival_gap|made_to|recv|prep_to|mem_moved|slow_cohorts})"
+      gzip -f "$f"
     done
     python3 -m mlxb.commands.main report reports/results --out "$OUT/agentloop-h200.md" >/dev/null
     tar czf "$OUT/agentloop-results.tgz" reports/results ;;
