@@ -58,7 +58,7 @@ def decode(r, plain=None, verify=None) -> list:
         out = spec_ahead.resolve(r, ahead)
     elif props is None:
         out = flushed + (plain or r._plain_step)()
-        if r.spec.adaptive and r.spec_why == "bar" and getattr(r.proposer, "shadows", False):
+        if r.spec.adaptive and r.spec_why in ("bar", "paused") and getattr(r.proposer, "shadows", False):
             shadow(r, r.proposer)
     else:
         out = flushed + (verify or (lambda ps: verify_step(r, ps)))(props)
