@@ -30,6 +30,11 @@ def pcts(xs) -> dict:
             "max": round(float(a.max()), 2), "sum": round(float(a.sum()), 1)}
 
 
+def _gaps(ts: list) -> dict:
+    """Gaps between successive times (seconds, sorted) that belong to one burst (under 250 ms apart), in ms."""
+    return pcts(1000 * (b - a) for a, b in zip(ts, ts[1:]) if b - a < 0.25)
+
+
 def _steps(its) -> dict:
     by = defaultdict(list)
     for d in its:
@@ -87,7 +92,7 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "cohort_pieces_ms": {k: pcts(dict(d.get("pieces", [])).get(k, 0.0) for d in one)
                              for k in sorted({k for d in one for k, _ in d.get("pieces", [])})},
         # requests made (built by the gateway) one after another within a burst: the gateway's per-request work
-        "arrival_gap_ms": pcts(1000 * (b - a) for a, b in zip(made, made[1:]) if b - a < 0.25),
+        "arrival_gap_ms": _gaps(made),
         "made_to_engine_ms": pcts(1000 * (e["t"] - e["made"]) for e in subs),
         # a served request's path to the engine (submit events with ``recv``/``prep``): the handler got it -> a prep
         # thread began on it (body read, JSON parsed, a free prep thread and the GIL) -> built (tokenized) -> the
@@ -95,7 +100,7 @@ def summarize(lines: list[dict], since: float = 0.0) -> dict:
         "recv_to_prep_ms": pcts(1000 * (e["prep"] - e["recv"]) for e in subs if "recv" in e and "prep" in e),
         "prep_to_made_ms": pcts(1000 * (e["made"] - e["prep"]) for e in subs if "prep" in e),
         "recv_to_engine_ms": pcts(1000 * (e["t"] - e["recv"]) for e in subs if "recv" in e),
-        "recv_gap_ms": pcts(1000 * (b - a) for a, b in zip(recv, recv[1:]) if b - a < 0.25),
+        "recv_gap_ms": _gaps(recv),
         # what moved memory (the lines' ``mem``), in all, and the cohort iterations slower than twice their median:
         # how many of them followed a pool return or a spill (a fresh allocation or a device-to-host read)
         "mem_moved": {k: round(sum(d.get("mem", {}).get(k, 0) for d in its), 1)

@@ -4,6 +4,8 @@ through tokenization (``prep``, ``made``) to the engine (``t``), on the chat and
 
 import json
 
+import httpx
+
 from mlxb.engine.trace import IterationTrace
 from scripts.trace_summary import summarize
 from tests.server.conftest import LiveServer
@@ -14,8 +16,6 @@ def test_a_served_request_traces_its_path_to_the_engine(tmp_path):
     path = tmp_path / "trace.jsonl"
     try:
         srv.gw.engine.trace = IterationTrace(str(path))
-        import httpx
-
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello there"}],
                                                      "max_tokens": 3})
